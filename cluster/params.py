@@ -1,0 +1,54 @@
+"""Sampling parameters of one request, validated where a request enters the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0              # 0 (or -1) means no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # number of top alternatives to return per token
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, rule: str, value):
+            if not ok:
+                raise RequestError(f"{name} must be {rule}, got {value!r}")
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+              "an integer >= 1", self.max_tokens)
+        check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+              "-1, 0 (off) or a positive integer", self.top_k)
+        check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+              "logprobs", "an integer in [0, 20]", self.logprobs)
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings",
+              self.stop)
+        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)

@@ -1,0 +1,199 @@
+"""The scheduler: every request's lifecycle, admission against KV blocks and SSM slots, step plans."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from metrale.cluster.block_manager import BlockManager, SlotAllocator
+from metrale.cluster.detokenizer import IncrementalDetokenizer
+from metrale.cluster.params import RequestError, SamplingParams
+from metrale.cluster.plan import SeqWork, StepPlan, StepResult, WorkerCapacity
+from metrale.cluster.sequence import Sequence, Status, TokenLogprob
+from metrale.workers.sampler import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512   # rows per step: decode tokens plus prefill chunks
+    max_model_len: int | None = None    # defaults to the model's context (and the cache's size)
+    prefix_caching: bool = True         # only used for models without linear-attention layers
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, capacity: WorkerCapacity, tokenizer: Tokenizer):
+        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.config, self.capacity, self.tokenizer = config, capacity, tokenizer
+        # An SSM state cannot be rebuilt from shared KV blocks, so hybrid models cache no prefixes.
+        self.blocks = BlockManager(capacity.num_blocks, capacity.block_size,
+                                   config.prefix_caching and not capacity.hybrid)
+        self.slots = SlotAllocator(capacity.num_slots) if capacity.hybrid else None
+        limit = min(capacity.max_model_len, capacity.num_blocks * capacity.block_size)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_request: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int],
+                    params: SamplingParams) -> list[Sequence]:
+        """Validates and queues a request (n sequences); raises RequestError naming the problem."""
+        if request_id in self.by_request:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise RequestError("prompt must contain at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt is {len(prompt_ids)} tokens; the model's context "
+                               f"(max_model_len) is {self.max_model_len}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.capacity.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:3]} are outside the vocabulary "
+                               f"(size {self.capacity.vocab_size})")
+        base_seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), params,
+                         base_seed + i, IncrementalDetokenizer(self.tokenizer))
+                for i in range(params.n)]
+        self.by_request[request_id] = seqs
+        self.waiting.extend(seqs)
+        return seqs
+
+    def abort(self, request_id: str) -> None:
+        for seq in self.by_request.pop(request_id, []):
+            if not seq.finished:
+                self._finish(seq, "abort")
+
+    def pop_finished(self, request_id: str) -> list[Sequence] | None:
+        """The request's sequences once all are finished (then forgotten), else None."""
+        seqs = self.by_request.get(request_id)
+        if seqs is None or not all(s.finished for s in seqs):
+            return None
+        return self.by_request.pop(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        work: list[SeqWork] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:   # preempted earlier in this loop
+                continue
+            n = min(seq.num_pending, budget)
+            while not self.blocks.can_append(seq.block_table, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                continue
+            self.blocks.append(seq.block_table, seq.num_computed + n)
+            work.append(self._work(seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.tokens
+            cached = len(self.blocks.cached_prefix(tokens)) * self.capacity.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not self.blocks.can_allocate(tokens, cached + n):
+                break
+            if self.slots is not None and self.slots.num_free == 0:
+                break
+            self.waiting.popleft()
+            seq.num_computed = self.blocks.allocate(seq.block_table, tokens, cached + n)
+            if self.slots is not None:
+                seq.slot = self.slots.allocate()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            work.append(self._work(seq, n))
+            budget -= n
+        return StepPlan(work)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Commits a step's outcome; returns the sequences that produced a token."""
+        by_id = {s.seq_id: s for s in self.running}
+        for w in plan.work:
+            seq = by_id.get(w.seq_id)
+            if seq is not None:
+                seq.num_computed = w.context_len + len(w.tokens)
+                self.blocks.register(seq.block_table, seq.tokens, seq.num_computed)
+        touched = []
+        for s in result.sampled:
+            seq = by_id.get(s.seq_id)
+            if seq is None or seq.finished:   # aborted while the step ran
+                continue
+            self._append_token(seq, s.token)
+            if seq.params.logprobs is not None and s.logprob is not None:
+                seq.logprobs.append(TokenLogprob(s.token, s.logprob, list(s.top or [])))
+            touched.append(seq)
+        return touched
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _work(self, seq: Sequence, n: int) -> SeqWork:
+        start = seq.num_computed
+        samples = start + n == seq.num_tokens
+        p = seq.params
+        spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed,
+                            len(seq.output_ids), p.logprobs) if samples else None
+        return SeqWork(seq.seq_id, seq.tokens[start:start + n], start, list(seq.block_table),
+                       seq.slot, spec)
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.output_ids.append(token)
+        p = seq.params
+        stopped_by_token = ((not p.ignore_eos and token in self.capacity.eos_token_ids)
+                            or token in p.stop_token_ids)
+        if stopped_by_token:
+            seq.text += seq.detokenizer.step(seq.output_ids[:-1], final=True)
+            self._finish(seq, "stop")
+            return
+        at_length = len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
+        if p.stop and self._cut_at_stop_string(seq):
+            self._finish(seq, "stop")
+        elif at_length:
+            self._finish(seq, "length")
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        hits = [i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0]
+        if hits:
+            seq.text = seq.text[:min(hits)]
+        return bool(hits)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees the sequence's blocks and slot; it recomputes prompt + output when readmitted."""
+        log.info("preempting sequence %d (%d tokens)", seq.seq_id, seq.num_tokens)
+        self._release(seq)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free_table(seq.block_table)
+        if seq.slot >= 0 and self.slots is not None:
+            self.slots.release(seq.slot)
+        seq.slot = -1

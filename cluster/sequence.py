@@ -1,0 +1,59 @@
+"""One sequence's life in the scheduler: tokens, cache places, output text and finish state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from metrale.cluster.detokenizer import IncrementalDetokenizer
+from metrale.cluster.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                    # which of the request's n completions
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_computed: int = 0         # tokens whose K/V and SSM state are in the caches
+    block_table: list[int] = field(default_factory=list)
+    slot: int = -1
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run through the model before the next one can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

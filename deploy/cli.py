@@ -1,0 +1,84 @@
+"""The `metrale` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from metrale.cluster.params import RequestError, SamplingParams
+from metrale.workers.models import CheckpointError
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts in this process")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, per line")
+
+
+def cmd_generate(args) -> int:
+    from metrale.deploy.llm import LLM
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    except RequestError as e:
+        print(f"metrale generate: {e}", file=sys.stderr)
+        return 2
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_bytes=args.kv_cache_mb << 20)
+    except (CheckpointError, ValueError) as e:
+        print(f"metrale generate: {e}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params)
+    elapsed = time.perf_counter() - start
+    failed = 0
+    for out in outputs:
+        if out.error:
+            failed += 1
+            record = {"error": out.error}
+            print(json.dumps(record) if args.json else f"error: {out.error}",
+                  file=sys.stdout if args.json else sys.stderr)
+            continue
+        if args.json:
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "usage": out.usage}))
+        else:
+            print(out.text)
+    if not args.json:
+        tokens = sum(o.usage["completion_tokens"] for o in outputs if not o.error)
+        print(f"[{tokens} tokens in {elapsed:.2f}s]", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="metrale", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return {"generate": cmd_generate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

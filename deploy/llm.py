@@ -1,0 +1,123 @@
+"""The in-process engine: one scheduler and one worker in a loop, behind a `generate` call."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from metrale.cluster.params import RequestError, SamplingParams
+from metrale.cluster.scheduler import Scheduler, SchedulerConfig
+from metrale.cluster.sequence import Sequence, TokenLogprob
+from metrale.workers.models import CheckpointError
+from metrale.workers.worker import Worker, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Completion:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[Completion] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.completions[0].text if self.completions else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.completions[0].token_ids if self.completions else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.completions[0].finish_reason if self.completions else "error"
+
+    @property
+    def usage(self) -> dict:
+        completion = sum(len(c.token_ids) for c in self.completions)
+        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": completion,
+                "total_tokens": len(self.prompt_token_ids) + completion}
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"{model_dir}: no such model directory")
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (metrale reads the tokenizer from tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from e
+
+
+class LLM:
+    """`LLM(model_dir).generate(prompts, params)` runs requests to completion in this process."""
+
+    def __init__(self, model: str | Path, *, device: str = "auto", dtype: str = "auto",
+                 block_size: int = 16, kv_cache_bytes: int = 256 << 20, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 prefix_caching: bool = True):
+        self.tokenizer = load_tokenizer(model)
+        self.worker = Worker(WorkerConfig(str(model), device, dtype, block_size, kv_cache_bytes,
+                                          max_num_seqs))
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching),
+            self.worker.capacity, self.tokenizer)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt).ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.scheduler.add_request(request_id, ids, params)
+        return request_id
+
+    def step(self) -> list[Sequence]:
+        """One scheduler plan executed on the worker; returns sequences that got a token."""
+        plan = self.scheduler.schedule()
+        return self.scheduler.update(plan, self.worker.execute(plan))
+
+    def generate(self, prompts: list[str | list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs all prompts together (continuous batching); a refused prompt gets an output with
+        `error` set and does not stop the others."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = f"req-{next(self._ids)}"
+            order.append(request_id)
+            outputs[request_id] = RequestOutput(request_id, ids)
+            try:
+                self.scheduler.add_request(request_id, ids, p)
+            except RequestError as e:
+                outputs[request_id].error = str(e)
+        while self.scheduler.has_work:
+            self.step()
+        for request_id in order:
+            seqs = self.scheduler.pop_finished(request_id) or []
+            outputs[request_id].completions = [
+                Completion(s.index, s.text, s.output_ids, s.finish_reason,
+                           s.logprobs if s.params.logprobs is not None else None) for s in seqs]
+        return [outputs[r] for r in order]

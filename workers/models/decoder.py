@@ -1,0 +1,108 @@
+"""The Qwen3 / Qwen3.5 decoder-only language model over metrale's paged KV cache and SSM slot pool."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metrale.workers.batch import ForwardBatch
+from metrale.workers.kv_cache import PagedKVCache
+from metrale.workers.models.config import ModelConfig
+from metrale.workers.models.gated_deltanet import GatedDeltaNet
+from metrale.workers.models.layers import MLP, RMSNorm, Rotary, paged_attention
+from metrale.workers.ssm_pool import SSMSlotPool
+
+
+class Attention(nn.Module):
+    """GQA with per-head q/k RMSNorm and RoPE; Qwen3.5 adds an output gate and partial RoPE."""
+
+    def __init__(self, cfg: ModelConfig, kv_index: int):
+        super().__init__()
+        self.kv_index = kv_index
+        self.gated = cfg.family == "qwen3_5"
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                    cfg.num_key_value_heads, cfg.head_dim)
+        q_out = self.heads * self.head_dim * (2 if self.gated else 1)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=self.gated)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=self.gated)
+
+    def forward(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.q_proj(x).view(rows, self.heads, -1)
+        if self.gated:  # per head: [query | gate]
+            q, gate = q.chunk(2, dim=-1)
+        q = Rotary.apply(self.q_norm(q), *cos_sin)
+        k = Rotary.apply(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)),
+                         *cos_sin)
+        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv, self.kv_index, batch, self.head_dim ** -0.5)
+        out = out.reshape(rows, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(rows, -1))
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str, cache_index: int):
+        super().__init__()
+        offset = cfg.family == "qwen3_5"
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, cache_index)
+        else:
+            self.self_attn = Attention(cfg, cache_index)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
+
+    def forward(self, x, cos_sin, batch, kv, ssm):
+        h = self.input_layernorm(x)
+        if hasattr(self, "linear_attn"):
+            h = self.linear_attn(h, batch, ssm)
+        else:
+            h = self.self_attn(h, cos_sin, batch, kv)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        full, linear = cfg.full_attention_layers, cfg.linear_attention_layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, t, (full if t == "full_attention" else linear).index(i))
+            for i, t in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.family == "qwen3_5")
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers and lm_head; parameter names follow the Hugging Face checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache | None,
+                ssm: SSMSlotPool | None) -> torch.Tensor:
+        """Runs every row of the batch; returns the last layer's hidden states before the final norm."""
+        x = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos_sin, batch, kv, ssm)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits from pre-norm hidden rows."""
+        return self.lm_head(self.model.norm(hidden)).float()

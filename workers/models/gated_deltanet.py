@@ -1,0 +1,102 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3.5, over per-slot conv and recurrent state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.workers.batch import ForwardBatch
+from metrale.workers.models.config import ModelConfig
+from metrale.workers.models.layers import GatedRMSNorm
+from metrale.workers.ssm_pool import SSMSlotPool
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
+    """The recurrence, token by token, in float32.
+
+    q, k: [B, L, H, dk] (already repeated to the value heads); v: [B, L, H, dv]; g, beta: [B, L, H];
+    state: [B, H, dk, dv]. Returns outputs [B, L, H, dv], the final state, and, with `keep_states`,
+    the state after every token [B, L, H, dk, dv].
+    """
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    k, v, g, beta = l2norm(k.float()), v.float(), g.float(), beta.float()
+    out = torch.empty_like(v)
+    states = [] if keep_states else None
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]                    # S <- exp(g_t) S
+        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])            # S^T k_t
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]                  # u_t
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]        # S <- S + k_t u_t^T
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])         # o_t = S^T q_t
+        if keep_states:
+            states.append(state)
+    return out, state, (torch.stack(states, dim=1) if keep_states else None)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, pool_index: int):
+        super().__init__()
+        self.pool_index = pool_index
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        conv_dim = cfg.linear_conv_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False,
+                                padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMSlotPool) -> torch.Tensor:
+        n_rows = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(n_rows, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        core = torch.empty(n_rows, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        for rows, slots in _groups_by_length(batch, x.device):
+            core[rows] = self._mix(mixed[rows], g[rows], beta[rows], slots, pool).to(x.dtype)
+        out = self.norm(core, z).reshape(n_rows, self.value_dim)
+        return self.out_proj(out)
+
+    def _mix(self, mixed, g, beta, slots, pool):
+        """mixed: [B, L, conv_dim] for B sequences of L rows each; updates their slots in place."""
+        n_seq, length, _ = mixed.shape
+        layer = self.pool_index
+        window = torch.cat((pool.conv[layer, slots], mixed.transpose(1, 2).to(pool.conv.dtype)), -1)
+        pool.conv[layer, slots] = window[..., -(self.kernel - 1):]
+        weight = self.conv1d.weight
+        conv = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0]))
+        q, k, v = torch.split(conv.transpose(1, 2).to(mixed.dtype),
+                              [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(n_seq, length, self.num_v_heads, self.head_v_dim)
+        if self.num_v_heads != self.num_k_heads:  # each key head serves consecutive value heads
+            rep = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        out, state, _ = gated_delta_rule(q, k, v, g, beta, pool.state[layer, slots])
+        pool.state[layer, slots] = state
+        return out
+
+
+def _groups_by_length(batch: ForwardBatch, device):
+    """Row indices [B, L] and slots [B] for each set of sequences with the same chunk length."""
+    by_len: dict[int, list] = {}
+    for s in batch.seqs:
+        by_len.setdefault(s.length, []).append(s)
+    for length, seqs in by_len.items():
+        starts = torch.tensor([s.start for s in seqs], device=device)
+        rows = starts[:, None] + torch.arange(length, device=device)[None, :]
+        yield rows, torch.tensor([s.slot for s in seqs], device=device)
