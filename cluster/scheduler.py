@@ -43,6 +43,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.by_request: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
+        self.num_preemptions = 0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -182,6 +183,7 @@ class Scheduler:
         self._release(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

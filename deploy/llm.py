@@ -116,8 +116,16 @@ class LLM:
         while self.scheduler.has_work:
             self.step()
         for request_id in order:
-            seqs = self.scheduler.pop_finished(request_id) or []
-            outputs[request_id].completions = [
-                Completion(s.index, s.text, s.output_ids, s.finish_reason,
-                           s.logprobs if s.params.logprobs is not None else None) for s in seqs]
+            if outputs[request_id].error is None:
+                outputs[request_id] = self.finished_output(request_id)
         return [outputs[r] for r in order]
+
+    def finished_output(self, request_id: str) -> RequestOutput | None:
+        """The request's output once all its sequences have finished (then forgotten), else None."""
+        seqs = self.scheduler.pop_finished(request_id)
+        if seqs is None:
+            return None
+        completions = [Completion(s.index, s.text, s.output_ids, s.finish_reason,
+                                  s.logprobs if s.params.logprobs is not None else None)
+                       for s in seqs]
+        return RequestOutput(request_id, seqs[0].prompt_ids, completions)

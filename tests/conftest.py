@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny checkpoints written by transformers, built once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import checkpoints
+
+# Variants of the supported architectures: head dims, GQA ratios, layer patterns, tied embeddings,
+# and both Qwen3.5 layouts.
+VARIANTS = {
+    "qwen3": dict(arch="qwen3"),
+    "qwen3-mha-tied": dict(arch="qwen3", num_key_value_heads=4, head_dim=32,
+                           tie_word_embeddings=True),
+    "qwen3_5": dict(arch="qwen3_5"),
+    "qwen3_5-pattern": dict(arch="qwen3_5", num_hidden_layers=5, head_dim=32, num_key_value_heads=1,
+                            layer_types=["full_attention", "linear_attention", "linear_attention",
+                                         "full_attention", "linear_attention"],
+                            linear_num_key_heads=1, linear_num_value_heads=2,
+                            linear_key_head_dim=16, linear_value_head_dim=8,
+                            tie_word_embeddings=True),
+    "qwen3_5-vl": dict(arch="qwen3_5", layout="vl", mtp=True),
+}
+
+LOGIT_DIFFS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name) -> directory of the named variant (see VARIANTS)."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            spec = dict(VARIANTS[name])
+            arch = spec.pop("arch")
+            built[name] = checkpoints.write_checkpoint(tmp_path_factory.mktemp(name), arch, **spec)
+        return built[name]
+    return get
+
+
+@pytest.fixture
+def logit_report():
+    def record(name: str, diff: float):
+        LOGIT_DIFFS[name] = max(diff, LOGIT_DIFFS.get(name, 0.0))
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LOGIT_DIFFS:
+        terminalreporter.section("max |logit difference| vs transformers (float32)")
+        for name, diff in sorted(LOGIT_DIFFS.items()):
+            terminalreporter.write_line(f"{name:20s} {diff:.3e}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,44 @@
+"""`metrale generate` as a user runs it: the JSON-lines contract and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from metrale.cluster.params import SamplingParams
+from metrale.deploy.llm import LLM
+
+
+def metrale(*args):
+    return subprocess.run([sys.executable, "-m", "metrale.deploy.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_generate_json_lines_in_prompt_order(checkpoint):
+    model_dir = checkpoint("qwen3_5-vl")
+    r = metrale("generate", "--model", str(model_dir), "--prompt", "def f(x):", "--prompt",
+                "The café", "--max-tokens", "9", "--ignore-eos", "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(lines) == 2
+    llm = LLM(model_dir, device="cpu")
+    expected = llm.generate(["def f(x):", "The café"], SamplingParams(max_tokens=9, temperature=0,
+                                                                      ignore_eos=True))
+    for got, want in zip(lines, expected):
+        assert got["token_ids"] == want.token_ids and got["text"] == want.text
+        assert got["finish_reason"] == "length"
+        assert got["usage"] == {"prompt_tokens": len(want.prompt_token_ids),
+                                "completion_tokens": 9, "total_tokens": len(want.prompt_token_ids) + 9}
+
+
+def test_plain_output_and_errors(checkpoint, tmp_path):
+    model_dir = checkpoint("qwen3")
+    r = metrale("generate", "--model", str(model_dir), "--prompt", "hello", "--max-tokens", "4")
+    assert r.returncode == 0 and "[4 tokens in" in r.stderr
+    r = metrale("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "2")
+    assert r.returncode == 2 and "top_p" in r.stderr
+    r = metrale("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2 and "no such model directory" in r.stderr
+    r = metrale("generate", "--model", str(model_dir), "--prompt", "x " * 600, "--json")
+    assert r.returncode == 1 and "max_model_len" in json.loads(r.stdout)["error"]
