@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,21 @@ class RequestOutput:
                 "total_tokens": len(self.prompt_token_ids) + completion}
 
 
+def read_chat_template(model_dir: str | Path) -> str | None:
+    """The checkpoint's chat template: `chat_template.jinja`, else `tokenizer_config.json`'s."""
+    model_dir = Path(model_dir)
+    if (model_dir / "chat_template.jinja").is_file():
+        return (model_dir / "chat_template.jinja").read_text()
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    return template if isinstance(template, str) else None
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if not Path(model_dir).is_dir():
         raise CheckpointError(f"{model_dir}: no such model directory")
@@ -73,6 +89,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  prefix_caching: bool = True):
         self.tokenizer = load_tokenizer(model)
+        self.chat_template = read_chat_template(model)
         self.worker = Worker(WorkerConfig(str(model), device, dtype, block_size, kv_cache_bytes,
                                           max_num_seqs))
         self.scheduler = Scheduler(

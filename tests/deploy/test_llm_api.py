@@ -139,7 +139,7 @@ def test_unknown_architecture_names_the_supported_ones(checkpoint, tmp_path):
 @pytest.mark.parametrize("victim, content", [
     ("model.safetensors", None), ("model.safetensors", b"\x00garbage" * 10),
     ("config.json", None), ("config.json", b"{not json"), ("tokenizer.json", None),
-    ("tokenizer.json", b"[1, 2"),
+    ("tokenizer.json", b"[1, 2"), ("tokenizer_config.json", b"{oops"),
 ])
 def test_missing_or_corrupt_files_are_named(checkpoint, tmp_path, victim, content):
     d = _copy(checkpoint("qwen3_5"), tmp_path / "m")
@@ -158,3 +158,12 @@ def test_weights_that_do_not_fit_the_config_are_refused(checkpoint, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="mlp.*shape"):
         LLM(d, device="cpu")
+
+
+def test_chat_template_is_read_when_present(checkpoint, tmp_path):
+    d = _copy(checkpoint("qwen3"), tmp_path / "m")
+    assert LLM(d, device="cpu").chat_template is None
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert LLM(d, device="cpu").chat_template == cfg["chat_template"]
