@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from metrale.workers.sampler import TokenConstraint
+
 
 class RequestError(ValueError):
     """A request the engine refuses; the message names the offending field."""
@@ -22,7 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top alternatives to return per token
-    extra: dict = field(default_factory=dict, compare=False)
+    constraint: TokenConstraint | None = field(default=None, compare=False)  # grammar mask
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from metrale.workers.sampler import SamplingSpec
+from metrale.workers.sampler import SamplingSpec, TokenConstraint
 
 
 @dataclass
@@ -13,8 +13,12 @@ class SeqWork:
     tokens: list[int]          # the rows to run: a prefill chunk, or the one pending token
     context_len: int           # tokens already in the caches (absolute position of tokens[0])
     block_table: list[int]
-    slot: int                  # SSM slot, -1 for models without linear attention
+    slot: int                  # the sequence's slot: SSM state, verify pool, drafter state
     sample: SamplingSpec | None  # None for a prefill chunk that does not reach the end
+    prompt_len: int = 0
+    num_drafts: int = 0        # drafts to propose and verify after the pending token
+    next_token: int | None = None  # the token after a prefill chunk that does not sample
+    constraint: TokenConstraint | None = None
 
 
 @dataclass
@@ -23,29 +27,47 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(w.tokens) for w in self.work)
+        return sum(len(w.tokens) + w.num_drafts for w in self.work)
 
 
 @dataclass
-class SampledToken:
+class TokenLogprobs:
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SeqOutcome:
     seq_id: int
-    token: int
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
+    tokens: list[int]          # accepted drafts, then the sampled (bonus or replacement) token
+    proposed: int = 0          # drafts verified this step
+    accepted: int = 0
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
 class StepResult:
-    sampled: list[SampledToken]
+    outcomes: list[SeqOutcome] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class WorkerCapacity:
-    """What a worker reports at start-up; the scheduler admits against it."""
+    """What a worker reports at start-up; the scheduler admits and plans drafts against it."""
     num_blocks: int
     block_size: int
-    num_slots: int             # SSM slots (0 for models without linear attention)
+    num_slots: int
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     hybrid: bool
+    proposer: str = "none"                 # speculative method of the worker's proposer
+    slot_capacity: tuple[int, ...] = ()    # most drafts one verify may carry, per slot
+    ragged_drafts: bool = True             # sequences of one round may carry different k
+    fixed_drafts: int | None = None        # DFlash: gamma - 1
+    propose_batch_max: int = 64
+    self_speculative: bool = False
+    prefix_sharing: bool = True            # False when the proposer keeps per-row state
+
+    @property
+    def has_proposer(self) -> bool:
+        return self.proposer != "none"

@@ -15,6 +15,7 @@ from metrale.cluster.detokenizer import IncrementalDetokenizer
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.plan import SeqWork, StepPlan, StepResult, WorkerCapacity
 from metrale.cluster.sequence import Sequence, Status, TokenLogprob
+from metrale.drafting.stats import SpecStats
 from metrale.workers.sampler import SamplingSpec
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512   # rows per step: decode tokens plus prefill chunks
     max_model_len: int | None = None    # defaults to the model's context (and the cache's size)
     prefix_caching: bool = True         # only used for models without linear-attention layers
+    num_drafts: int = 0                 # drafts per speculative round (0: no speculation)
 
 
 class Scheduler:
@@ -33,10 +35,13 @@ class Scheduler:
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.config, self.capacity, self.tokenizer = config, capacity, tokenizer
-        # An SSM state cannot be rebuilt from shared KV blocks, so hybrid models cache no prefixes.
+        # An SSM state cannot be rebuilt from shared KV blocks, so hybrid models cache no prefixes;
+        # nor can an MTP or DFlash drafter's state, built from every row of the target.
         self.blocks = BlockManager(capacity.num_blocks, capacity.block_size,
-                                   config.prefix_caching and not capacity.hybrid)
-        self.slots = SlotAllocator(capacity.num_slots) if capacity.hybrid else None
+                                   config.prefix_caching and not capacity.hybrid
+                                   and capacity.prefix_sharing)
+        self.slots = SlotAllocator(capacity.num_slots)
+        self.num_drafts = self._draft_limit(config.num_drafts, capacity)
         limit = min(capacity.max_model_len, capacity.num_blocks * capacity.block_size)
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.waiting: deque[Sequence] = deque()
@@ -44,6 +49,7 @@ class Scheduler:
         self.by_request: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self.stats = SpecStats()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -89,71 +95,103 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
-        work: list[SeqWork] = []
+        chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:   # preempted earlier in this loop
                 continue
             n = min(seq.num_pending, budget)
-            while not self.blocks.can_append(seq.block_table, seq.num_computed + n):
+            k = self._drafts_for(seq, budget - 1) if seq.num_pending == 1 else 0
+            while not self.blocks.can_append(seq.block_table, seq.num_computed + n + k):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 continue
-            self.blocks.append(seq.block_table, seq.num_computed + n)
-            work.append(self._work(seq, n))
-            budget -= n
+            self.blocks.append(seq.block_table, seq.num_computed + n + k)
+            chosen.append((seq, n, k))
+            budget -= n + k
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.tokens
             cached = len(self.blocks.cached_prefix(tokens)) * self.capacity.block_size
             n = min(seq.num_tokens - cached, budget)
-            if not self.blocks.can_allocate(tokens, cached + n):
-                break
-            if self.slots is not None and self.slots.num_free == 0:
+            if not self.blocks.can_allocate(tokens, cached + n) or self.slots.num_free == 0:
                 break
             self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(seq.block_table, tokens, cached + n)
-            if self.slots is not None:
-                seq.slot = self.slots.allocate()
+            seq.slot = self.slots.allocate()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            work.append(self._work(seq, n))
+            chosen.append((seq, n, 0))
             budget -= n
-        return StepPlan(work)
+        if not self.capacity.ragged_drafts:   # one k for the whole round: the smallest
+            k_min = min((k for _, n, k in chosen if k), default=0)
+            chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
+        return StepPlan([self._work(seq, n, k) for seq, n, k in chosen])
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """Commits a step's outcome; returns the sequences that produced a token."""
+        """Commits a step's outcome; returns the sequences that produced tokens."""
         by_id = {s.seq_id: s for s in self.running}
+        outcomes = {o.seq_id: o for o in result.outcomes}
+        touched = []
         for w in plan.work:
             seq = by_id.get(w.seq_id)
-            if seq is not None:
-                seq.num_computed = w.context_len + len(w.tokens)
-                self.blocks.register(seq.block_table, seq.tokens, seq.num_computed)
-        touched = []
-        for s in result.sampled:
-            seq = by_id.get(s.seq_id)
-            if seq is None or seq.finished:   # aborted while the step ran
+            if seq is None:                    # aborted while the step ran
                 continue
-            self._append_token(seq, s.token)
-            if seq.params.logprobs is not None and s.logprob is not None:
-                seq.logprobs.append(TokenLogprob(s.token, s.logprob, list(s.top or [])))
+            outcome = outcomes.get(w.seq_id)
+            accepted = outcome.accepted if outcome else 0
+            seq.num_computed = w.context_len + len(w.tokens) + accepted
+            self.blocks.register(seq.block_table, seq.tokens, seq.num_computed)
+            if outcome is None:
+                continue
+            seq.spec.record(outcome.proposed, accepted)
+            self.stats.record(outcome.proposed, accepted)
+            for i, token in enumerate(outcome.tokens):
+                if seq.finished:
+                    break
+                if seq.params.logprobs is not None and outcome.logprobs:
+                    lp = outcome.logprobs[i]
+                    seq.logprobs.append(TokenLogprob(token, lp.logprob, list(lp.top)))
+                self._append_token(seq, token)
             touched.append(seq)
         return touched
 
     # -- internals --------------------------------------------------------------------------
 
-    def _work(self, seq: Sequence, n: int) -> SeqWork:
+    def _work(self, seq: Sequence, n: int, k: int) -> SeqWork:
         start = seq.num_computed
         samples = start + n == seq.num_tokens
         p = seq.params
         spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed,
                             len(seq.output_ids), p.logprobs) if samples else None
-        return SeqWork(seq.seq_id, seq.tokens[start:start + n], start, list(seq.block_table),
-                       seq.slot, spec)
+        tokens = seq.tokens
+        return SeqWork(seq.seq_id, tokens[start:start + n], start, list(seq.block_table),
+                       seq.slot, spec, prompt_len=len(seq.prompt_ids), num_drafts=k,
+                       next_token=None if samples else tokens[start + n],
+                       constraint=p.constraint)
+
+    def _drafts_for(self, seq: Sequence, room: int) -> int:
+        """Drafts for a sequence's next round: never more than its slot's verify capacity, the
+        step's remaining token budget, or what max_tokens and the context can still take."""
+        if not self.num_drafts:
+            return 0
+        left = min(seq.params.max_tokens - len(seq.output_ids),
+                   self.max_model_len - seq.num_tokens)
+        return max(0, min(self.num_drafts, self.capacity.slot_capacity[seq.slot], room, left - 1))
+
+    @staticmethod
+    def _draft_limit(requested: int, capacity: WorkerCapacity) -> int:
+        if requested and not capacity.has_proposer:
+            raise ValueError(f"num_drafts={requested} needs a speculative method; the worker has none")
+        deepest = max(capacity.slot_capacity, default=0)
+        if requested > deepest:
+            log.warning("num_drafts=%d exceeds every slot's verify capacity; using %d",
+                        requested, deepest)
+            return deepest
+        return requested
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
@@ -196,6 +234,6 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.blocks.free_table(seq.block_table)
-        if seq.slot >= 0 and self.slots is not None:
+        if seq.slot >= 0:
             self.slots.release(seq.slot)
         seq.slot = -1

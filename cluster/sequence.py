@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from metrale.cluster.detokenizer import IncrementalDetokenizer
 from metrale.cluster.params import SamplingParams
+from metrale.drafting.stats import SpecStats
 
 
 class Status(enum.Enum):
@@ -40,6 +41,7 @@ class Sequence:
     slot: int = -1
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
 
     @property
     def tokens(self) -> list[int]:

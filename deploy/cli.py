@@ -9,6 +9,7 @@ import sys
 import time
 
 from metrale.cluster.params import RequestError, SamplingParams
+from metrale.drafting.proposer import METHODS
 from metrale.workers.models import CheckpointError
 
 
@@ -29,6 +30,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
+    p.add_argument("--speculative-method", default="none", choices=list(METHODS))
+    p.add_argument("--num-drafts", type=int, default=None,
+                   help="drafts per round (default: the DFlash block size - 1, else 3)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, per line")
 
 
@@ -44,7 +49,9 @@ def cmd_generate(args) -> int:
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  kv_cache_bytes=args.kv_cache_mb << 20)
+                  kv_cache_bytes=args.kv_cache_mb << 20,
+                  speculative_method=args.speculative_method, num_drafts=args.num_drafts,
+                  drafter=args.drafter)
     except (CheckpointError, ValueError) as e:
         print(f"metrale generate: {e}", file=sys.stderr)
         return 2
@@ -60,8 +67,12 @@ def cmd_generate(args) -> int:
                   file=sys.stdout if args.json else sys.stderr)
             continue
         if args.json:
+            spec = out.spec.as_dict()
             print(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "usage": out.usage}))
+                              "finish_reason": out.finish_reason, "usage": out.usage,
+                              "spec": {k: spec[k] for k in ("rounds", "drafts_proposed",
+                                                            "drafts_accepted",
+                                                            "mean_acceptance_length")}}))
         else:
             print(out.text)
     if not args.json:

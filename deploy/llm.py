@@ -13,10 +13,13 @@ from tokenizers import Tokenizer
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
 from metrale.cluster.sequence import Sequence, TokenLogprob
+from metrale.drafting.stats import SpecStats
 from metrale.workers.models import CheckpointError
 from metrale.workers.worker import Worker, WorkerConfig
 
 log = logging.getLogger(__name__)
+
+DEFAULT_DRAFTS = 3   # drafts per round when a proposer is set and num_drafts is not
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    spec: SpecStats | None = None
 
 
 @dataclass
@@ -46,6 +50,14 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.completions[0].finish_reason if self.completions else "error"
+
+    @property
+    def spec(self) -> SpecStats:
+        """Speculation statistics summed over the request's completions."""
+        total = SpecStats()
+        for c in self.completions:
+            total.merge(c.spec or SpecStats())
+        return total
 
     @property
     def usage(self) -> dict:
@@ -87,14 +99,24 @@ class LLM:
     def __init__(self, model: str | Path, *, device: str = "auto", dtype: str = "auto",
                  block_size: int = 16, kv_cache_bytes: int = 256 << 20, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, speculative_method: str = "none",
+                 num_drafts: int | None = None, drafter: str | Path | None = None,
+                 **worker_options):
+        """`worker_options` are further WorkerConfig fields (verify_pool_bytes, max_drafts,
+        mtp_confidence_threshold, self_spec_layers, dflash_window, ngram_min, ngram_max, ...)."""
         self.tokenizer = load_tokenizer(model)
         self.chat_template = read_chat_template(model)
-        self.worker = Worker(WorkerConfig(str(model), device, dtype, block_size, kv_cache_bytes,
-                                          max_num_seqs))
+        if num_drafts is not None:
+            worker_options.setdefault("max_drafts", max(num_drafts, 1))
+        self.worker = Worker(WorkerConfig(
+            str(model), device, dtype, block_size, kv_cache_bytes, max_num_seqs,
+            speculative_method, str(drafter) if drafter else None, **worker_options))
+        capacity = self.worker.capacity
+        if num_drafts is None:
+            num_drafts = (capacity.fixed_drafts or DEFAULT_DRAFTS) if capacity.has_proposer else 0
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching),
-            self.worker.capacity, self.tokenizer)
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching,
+                            num_drafts), capacity, self.tokenizer)
         self._ids = itertools.count()
 
     def encode(self, prompt: str) -> list[int]:
@@ -143,6 +165,6 @@ class LLM:
         if seqs is None:
             return None
         completions = [Completion(s.index, s.text, s.output_ids, s.finish_reason,
-                                  s.logprobs if s.params.logprobs is not None else None)
+                                  s.logprobs if s.params.logprobs is not None else None, s.spec)
                        for s in seqs]
         return RequestOutput(request_id, seqs[0].prompt_ids, completions)

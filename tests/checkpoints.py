@@ -135,6 +135,42 @@ def _mtp_tensors(text_cfg, dtype: torch.dtype, seed: int) -> dict[str, torch.Ten
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
+def write_dflash_drafter(out_dir, target_dir, *, block_size: int = 4, num_layers: int = 2,
+                         target_layer_ids: list[int] | None = None, seed: int = 0,
+                         **overrides) -> pathlib.Path:
+    """A random DFlash drafter for the target in `target_dir`, in the z-lab checkpoint layout."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
+    text = target.get("text_config", target)
+    n_target = text["num_hidden_layers"]
+    ids = target_layer_ids if target_layer_ids is not None else sorted({0, n_target // 2, n_target - 2})
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": block_size,
+           "hidden_size": text["hidden_size"], "intermediate_size": 96, "num_hidden_layers": num_layers,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "vocab_size": text["vocab_size"], "num_target_layers": n_target,
+           "dflash_config": {"mask_token_id": 1, "target_layer_ids": ids}, "dtype": "float32"}
+    cfg.update(overrides)
+    h, d, i = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    gen = torch.Generator().manual_seed(seed + 3)
+    tensors = {"fc.weight": (h, len(ids) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for layer in range(num_layers):
+        p = f"layers.{layer}."
+        tensors |= {p + "self_attn.q_proj.weight": (nq * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
+                    p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nq * d),
+                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,)}
+    weights = {name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if len(shape) == 1
+               else 0.2 * torch.randn(shape, generator=gen) for name, shape in tensors.items()}
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
 def write_checkpoint(
     out_dir, arch: str, *, layout: str = "text", seed: int = 0, dtype: torch.dtype = torch.float32,
     mtp: bool = False, **overrides,

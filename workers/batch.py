@@ -15,6 +15,7 @@ class SeqRows:
     context_len: int          # tokens of this sequence already in the caches
     block_table: torch.Tensor  # [num_blocks] long, on the device
     slot: int                 # SSM slot (-1 for models without linear attention)
+    verify: bool = False      # keep the state after every row in the slot's verify pool instead
 
     @property
     def total_len(self) -> int:
@@ -36,16 +37,17 @@ class ForwardBatch:
         return lengths.pop() if len(lengths) == 1 else None
 
     @classmethod
-    def build(cls, chunks: list[tuple[list[int], int, list[int], int]], block_size: int,
+    def build(cls, chunks: list[tuple], block_size: int,
               device: torch.device) -> "ForwardBatch":
-        """`chunks[i] = (token_ids, context_len, block_table, slot)` for each sequence."""
+        """`chunks[i] = (token_ids, context_len, block_table, slot[, verify])` per sequence."""
         ids, pos, slots, seqs = [], [], [], []
-        for tokens, ctx, table, slot in chunks:
+        for tokens, ctx, table, slot, *verify in chunks:
             p = range(ctx, ctx + len(tokens))
             ids.extend(tokens)
             pos.extend(p)
             slots.extend(table[i // block_size] * block_size + i % block_size for i in p)
             seqs.append(SeqRows(len(ids) - len(tokens), len(tokens), ctx,
-                                torch.tensor(table, dtype=torch.long, device=device), slot))
+                                torch.tensor(table, dtype=torch.long, device=device), slot,
+                                bool(verify and verify[0])))
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
         return cls(as_long(ids), as_long(pos), as_long(slots), seqs, block_size)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol, Sequence
 
 import torch
+
+
+class TokenConstraint(Protocol):
+    """A grammar: which tokens may follow the tokens generated so far. A function of the generated
+    prefix, so rejected drafts roll back by asking again with the shorter prefix (a stateful
+    matcher rolls back to the common prefix inside `allowed`)."""
+
+    def allowed(self, generated: Sequence[int]) -> torch.Tensor:
+        """Bool mask [vocab] of the tokens allowed next."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +31,9 @@ class SamplingSpec:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def at(self, draw: int) -> "SamplingSpec":
+        return replace(self, draw=draw)
 
 
 def target_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
@@ -53,18 +66,6 @@ def generator_for(spec: SamplingSpec, device: torch.device, stream: int = 0) -> 
     g = torch.Generator(device=device)
     g.manual_seed((spec.seed * 1_000_003 + spec.draw * 7919 + stream) % (2**63 - 1))
     return g
-
-
-def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    """One token per row. logits: [B, V] float32 -> [B] long."""
-    probs = target_probs(logits, specs)
-    out = torch.empty(len(specs), dtype=torch.long, device=logits.device)
-    for i, spec in enumerate(specs):
-        if spec.greedy:
-            out[i] = probs[i].argmax()
-        else:
-            out[i] = torch.multinomial(probs[i], 1, generator=generator_for(spec, logits.device))[0]
-    return out
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top: int):

@@ -1,30 +1,76 @@
-"""Per-slot state of the linear-attention layers: the causal-conv window and the recurrent state."""
+"""Per-slot state of the linear-attention layers (conv window, recurrent state) and their verify pools."""
 
 from __future__ import annotations
 
 import torch
 
 
+def verify_capacities(num_slots: int, max_drafts: int, budget_entries: int) -> list[int]:
+    """Draft capacity per slot from a budget of verify-pool entries (a slot of capacity c holds
+    c + 1 entries). Slots get the full depth in order while the budget lasts; the slot where it runs
+    short takes what is left, and the rest get capacity 0 (they decode without speculation)."""
+    caps, left = [], budget_entries
+    for _ in range(num_slots):
+        depth = min(max_drafts + 1, left)
+        caps.append(depth - 1 if depth >= 2 else 0)
+        left -= depth if depth >= 2 else 0
+    return caps
+
+
 class SSMSlotPool:
     def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int,
                  num_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, capacities: list[int] | None = None):
         self.num_slots = num_slots
         # The conv window holds the last K-1 inputs; the recurrent state stays in float32, as the
         # reference keeps it, because it accumulates over the whole sequence.
-        self.conv = torch.zeros(num_layers, num_slots, conv_dim, conv_kernel - 1, dtype=dtype,
-                                device=device)
-        self.state = torch.zeros(num_layers, num_slots, num_heads, key_dim, value_dim,
-                                 dtype=torch.float32, device=device)
+        conv_shape, state_shape = (conv_dim, conv_kernel - 1), (num_heads, key_dim, value_dim)
+        self.conv = torch.zeros(num_layers, num_slots, *conv_shape, dtype=dtype, device=device)
+        self.state = torch.zeros(num_layers, num_slots, *state_shape, dtype=torch.float32,
+                                 device=device)
+        # Verify pool: slot s owns entries offset[s] .. offset[s] + capacity[s]; entry i holds the
+        # state after the i-th token of a verify ([pending, d_1..d_k]).
+        self.capacity = list(capacities or [0] * num_slots)
+        self.offset, total = [], 0
+        for cap in self.capacity:
+            self.offset.append(total)
+            total += cap + 1 if cap else 0
+        self.verify_conv = torch.zeros(num_layers, total, *conv_shape, dtype=dtype, device=device)
+        self.verify_state = torch.zeros(num_layers, total, *state_shape, dtype=torch.float32,
+                                        device=device)
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, conv_dim: int, conv_kernel: int, num_heads: int,
-                       key_dim: int, value_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_entry(num_layers: int, conv_dim: int, conv_kernel: int, num_heads: int,
+                        key_dim: int, value_dim: int, dtype: torch.dtype) -> int:
         conv = conv_dim * (conv_kernel - 1) * dtype.itemsize
         state = num_heads * key_dim * value_dim * 4
         return num_layers * (conv + state)
+
+    @property
+    def verify_bytes(self) -> int:
+        return self.verify_conv.nbytes + self.verify_state.nbytes
+
+    @property
+    def slot_bytes(self) -> int:
+        return (self.conv.nbytes + self.state.nbytes) // max(self.num_slots, 1)
 
     def reset(self, slots: list[int]) -> None:
         idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
         self.conv[:, idx] = 0
         self.state[:, idx] = 0
+
+    def commit(self, slot: int, accepted: int) -> None:
+        """After a verify that accepted `accepted` drafts: the slot's state is entry `accepted`."""
+        entry = self.offset[slot] + accepted
+        self.conv[:, slot] = self.verify_conv[:, entry]
+        self.state[:, slot] = self.verify_state[:, entry]
+
+    def scratch(self, slots: list[int], layers: int) -> "SSMSlotPool":
+        """A copy of the first `layers` layers' state of `slots`, as slots 0..len(slots)-1, for a
+        draft pass that must not touch the committed state."""
+        view = SSMSlotPool.__new__(SSMSlotPool)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        view.num_slots, view.capacity, view.offset = len(slots), [0] * len(slots), [0] * len(slots)
+        view.conv, view.state = self.conv[:layers, idx].clone(), self.state[:layers, idx].clone()
+        view.verify_conv, view.verify_state = self.verify_conv[:0], self.verify_state[:0]
+        return view

@@ -1,4 +1,4 @@
-"""A worker: owns the device, the target model, its KV cache and SSM slot pool, and runs step plans."""
+"""A worker: owns the device, the target model, its caches and the drafter, and runs step plans."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from pathlib import Path
 
 import torch
 
-from metrale.cluster.plan import SampledToken, StepPlan, StepResult, WorkerCapacity
+from metrale.cluster.plan import SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs, WorkerCapacity
+from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
+from metrale.drafting.rejection import verify_drafts
+from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import load_model
-from metrale.workers.sampler import logprobs_of, sample
-from metrale.workers.ssm_pool import SSMSlotPool
+from metrale.workers.sampler import generator_for, logprobs_of, target_probs
+from metrale.workers.ssm_pool import SSMSlotPool, verify_capacities
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,17 @@ class WorkerConfig:
     dtype: str = "auto"                  # auto (from config.json) | float32 | bfloat16 | float16
     block_size: int = 16
     kv_cache_bytes: int = 256 << 20      # memory budget for the paged KV cache
-    max_num_seqs: int = 64               # SSM slots for hybrid models: one per running sequence
+    max_num_seqs: int = 64               # slots: one per running sequence
+    speculative_method: str = "none"     # none | mtp | dflash | ngram | self
+    drafter: str | None = None           # DFlash drafter directory
+    max_drafts: int = 8                  # deepest verify a slot may need (pool depth - 1)
+    verify_pool_bytes: int | None = None  # verify-pool budget; None: every slot gets max_drafts
+    mtp_confidence_threshold: float | None = None
+    self_spec_layers: int | None = None  # layers that draft for 'self' (default: half)
+    dflash_window: int = 2048            # context rows a DFlash drafter keeps per sequence
+    ngram_min: int = 1
+    ngram_max: int = 4
+    propose_batch_max: int = 64
 
     @property
     def torch_device(self) -> torch.device:
@@ -40,66 +53,170 @@ class Worker:
     def __init__(self, config: WorkerConfig):
         self.config = config
         self.device = config.torch_device
-        self.model, self.mtp_tensors = load_model(Path(config.model), self.device, config.dtype)
+        self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype)
         cfg = self.model.config
-        per_block = PagedKVCache.bytes_per_block(len(cfg.full_attention_layers), config.block_size,
-                                                 cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
-        num_blocks = max(config.kv_cache_bytes // max(per_block, 1), 1)
-        if not cfg.full_attention_layers:
-            num_blocks = (cfg.max_position_embeddings * config.max_num_seqs) // config.block_size
-        if num_blocks * config.block_size < 2 * config.block_size:
-            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds fewer than two blocks "
-                             f"of {per_block} bytes")
-        self.kv = PagedKVCache(len(cfg.full_attention_layers), num_blocks, config.block_size,
-                               cfg.num_key_value_heads, cfg.head_dim, cfg.dtype, self.device)
-        self.ssm = None
-        if cfg.is_hybrid:
-            self.ssm = SSMSlotPool(len(cfg.linear_attention_layers), config.max_num_seqs,
-                                   cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
-                                   cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                   cfg.linear_value_head_dim, cfg.dtype, self.device)
+        self.kv = self._make_kv_cache()
+        slots = config.max_num_seqs
+        self.ssm = self._make_ssm_pool() if cfg.is_hybrid else None
+        self.proposer = build_proposer(
+            config.speculative_method, target=self.model, mtp_tensors=mtp_tensors, kv=self.kv,
+            ssm=self.ssm, num_blocks=self.kv.num_blocks, block_size=config.block_size,
+            num_slots=slots, drafter=config.drafter,
+            mtp_confidence_threshold=config.mtp_confidence_threshold,
+            self_spec_layers=config.self_spec_layers, dflash_window=config.dflash_window,
+            ngram_min=config.ngram_min, ngram_max=config.ngram_max,
+            propose_batch_max=config.propose_batch_max)
+        capacity = tuple(self.ssm.capacity if self.ssm else [config.max_drafts] * slots)
+        p = self.proposer
         self.capacity = WorkerCapacity(
-            num_blocks=num_blocks, block_size=config.block_size,
-            num_slots=config.max_num_seqs if cfg.is_hybrid else 0,
+            num_blocks=self.kv.num_blocks, block_size=config.block_size, num_slots=slots,
             max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-            eos_token_ids=cfg.eos_token_ids, hybrid=cfg.is_hybrid)
-        log.info("worker on %s: %s, %d KV blocks x %d tokens (%.1f MiB), %d SSM slots (%.1f MiB)",
-                 self.device, cfg.family, num_blocks, config.block_size,
-                 self.kv.k.nbytes * 2 / 2**20, self.capacity.num_slots, self.ssm_bytes / 2**20)
+            eos_token_ids=cfg.eos_token_ids, hybrid=cfg.is_hybrid,
+            proposer=p.method if p else "none", slot_capacity=capacity if p else (0,) * slots,
+            fixed_drafts=p.fixed_drafts if p else None,
+            propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
+            prefix_sharing=not (p and p.keeps_row_state))
+        self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
+        self.prompt_len = [0] * slots
+        self.stats = SpecStats()
+        log.info("worker on %s: %s", self.device, self.memory_report())
 
-    @property
-    def ssm_bytes(self) -> int:
-        return 0 if self.ssm is None else self.ssm.conv.nbytes + self.ssm.state.nbytes
+    def _make_kv_cache(self) -> PagedKVCache:
+        cfg, c = self.model.config, self.config
+        layers = len(cfg.full_attention_layers)
+        per_block = PagedKVCache.bytes_per_block(layers, c.block_size, cfg.num_key_value_heads,
+                                                 cfg.head_dim, cfg.dtype)
+        if layers:
+            num_blocks = c.kv_cache_bytes // per_block
+        else:   # no attention layers: blocks only count positions
+            num_blocks = cfg.max_position_embeddings * c.max_num_seqs // c.block_size
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} holds fewer than two KV blocks "
+                             f"of {per_block} bytes")
+        return PagedKVCache(layers, num_blocks, c.block_size, cfg.num_key_value_heads,
+                            cfg.head_dim, cfg.dtype, self.device)
+
+    def _make_ssm_pool(self) -> SSMSlotPool:
+        cfg, c = self.model.config, self.config
+        dims = (len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
+                cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        capacities = None
+        if c.speculative_method != "none":
+            per_entry = SSMSlotPool.bytes_per_entry(*dims, cfg.dtype)
+            budget = (c.max_num_seqs * (c.max_drafts + 1) if c.verify_pool_bytes is None
+                      else c.verify_pool_bytes // per_entry)
+            capacities = verify_capacities(c.max_num_seqs, c.max_drafts, budget)
+        return SSMSlotPool(dims[0], c.max_num_seqs, *dims[1:], cfg.dtype, self.device, capacities)
 
     def memory_report(self) -> dict:
-        return {"kv_cache_bytes": self.kv.k.nbytes * 2, "kv_blocks": self.capacity.num_blocks,
-                "ssm_pool_bytes": self.ssm_bytes, "ssm_slots": self.capacity.num_slots}
+        report = {"kv_cache_bytes": self.kv.k.nbytes * 2, "kv_blocks": self.kv.num_blocks,
+                  "block_size": self.config.block_size, "slots": self.config.max_num_seqs}
+        if self.ssm is not None:
+            per_entry = self.ssm.slot_bytes   # one verify entry holds one slot's state
+            report |= {"ssm_bytes_per_slot": per_entry,
+                       "verify_pool_bytes": self.ssm.verify_bytes,
+                       "verify_pool_bytes_per_slot": [(c + 1 if c else 0) * per_entry
+                                                      for c in self.ssm.capacity],
+                       "slot_capacity": list(self.ssm.capacity)}
+        return report
+
+    # -- one step: propose, verify, accept, commit ----------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         if not plan.work:
-            return StepResult([])
-        fresh = [w.slot for w in plan.work if w.context_len == 0 and w.slot >= 0]
+            return StepResult()
+        self._track_history(plan.work)
+        drafts = self._propose(plan.work)
+        verifying = {sid for sid, d in drafts.items() if d}
+        batch = ForwardBatch.build(
+            [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
+              w.seq_id in verifying and self.ssm is not None) for w in plan.work],
+            self.config.block_size, self.device)
+        capture = self.proposer.capture_layers if self.proposer else ()
+        hidden, captured = self.model(batch, self.kv, self.ssm, capture=capture)
+        outcomes, committed = [], []
+        for w, rows in zip(plan.work, batch.seqs):
+            d = drafts.get(w.seq_id, [])
+            outcome = self._accept(w, d, hidden[rows.start + rows.length - 1 - len(d):
+                                               rows.start + rows.length]) if w.sample else None
+            accepted = outcome.accepted if outcome else 0
+            if d and self.ssm is not None:
+                self.ssm.commit(w.slot, accepted)
+            self.history[w.slot].extend(d[:accepted])
+            if outcome:
+                outcomes.append(outcome)
+                self.stats.record(outcome.proposed, accepted)
+            if self.proposer:
+                committed.append(self._committed_rows(w, rows, d[:accepted], outcome, hidden,
+                                                      captured))
+        if self.proposer:
+            self.proposer.commit(committed)
+        return StepResult(outcomes)
+
+    def _track_history(self, work: list[SeqWork]) -> None:
+        fresh = [w.slot for w in work if w.context_len == 0]
         if fresh and self.ssm is not None:
             self.ssm.reset(fresh)
-        batch = ForwardBatch.build([(w.tokens, w.context_len, w.block_table, w.slot)
-                                    for w in plan.work], self.config.block_size, self.device)
-        hidden = self.model(batch, self.kv, self.ssm)
-        rows = [(w, s.start + s.length - 1) for w, s in zip(plan.work, batch.seqs) if w.sample]
-        if not rows:
-            return StepResult([])
-        logits = self.model.logits(hidden[[r for _, r in rows]])
-        specs = [w.sample for w, _ in rows]
-        tokens = sample(logits, specs)
-        top = max((s.logprobs or 0) for s in specs)
-        want_lp = any(s.logprobs is not None for s in specs)
-        chosen, top_ids, top_vals = logprobs_of(logits, tokens, top) if want_lp else (None,) * 3
-        out = []
-        for i, ((w, _), tok) in enumerate(zip(rows, tokens.tolist())):
-            sampled = SampledToken(w.seq_id, tok)
-            if want_lp and w.sample.logprobs is not None:
-                n = w.sample.logprobs
-                sampled.logprob = float(chosen[i])
-                sampled.top = list(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
-            out.append(sampled)
-        return StepResult(out)
+        for w in work:
+            if w.context_len == 0:
+                self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
+            self.history[w.slot].extend(w.tokens)
+
+    def _generated(self, w: SeqWork) -> list[int]:
+        return self.history[w.slot][self.prompt_len[w.slot]:]
+
+    def _propose(self, work: list[SeqWork]) -> dict[int, list[int]]:
+        """Drafts per sequence id, for the sequences the plan asks to speculate."""
+        spec = [w for w in work if w.num_drafts > 0 and self.proposer is not None]
+        if not spec:
+            return {}
+        requests = []
+        for w in spec:
+            allowed = None
+            if w.constraint is not None:
+                generated, constraint = self._generated(w), w.constraint
+                allowed = lambda drafts, g=generated, c=constraint: c.allowed(g + drafts)  # noqa: E731
+            requests.append(ProposeRequest(w.slot, w.context_len, w.tokens[-1], w.num_drafts,
+                                           w.block_table, self.history[w.slot], allowed))
+        proposals = self.proposer.propose(requests)
+        return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}
+
+    def _accept(self, w: SeqWork, drafts: list[int], hidden: torch.Tensor) -> SeqOutcome:
+        """hidden: the rows of the pending token and each draft. Applies the rejection sampler."""
+        logits = self.model.logits(hidden)                     # [k+1, vocab]
+        if w.constraint is not None:
+            generated = self._generated(w)
+            masks = torch.stack([w.constraint.allowed(generated + drafts[:i])
+                                 for i in range(len(drafts) + 1)]).to(logits.device)
+            restricted = logits.masked_fill(~masks, float("-inf"))
+        else:
+            restricted = logits
+        spec = w.sample
+        probs = target_probs(restricted, [spec] * (len(drafts) + 1))
+        streams = [generator_for(spec.at(spec.draw + i), self.device) for i in range(len(drafts) + 1)]
+        uniforms = torch.stack([torch.rand((), generator=generator_for(spec.at(spec.draw + i),
+                                                                       self.device, stream=1),
+                                           device=self.device) for i in range(len(drafts))]) \
+            if drafts and not spec.greedy else None
+        verdict = verify_drafts(drafts, probs, None, spec.greedy, uniforms, streams)
+        outcome = SeqOutcome(w.seq_id, verdict.tokens, len(drafts), verdict.accepted)
+        if spec.logprobs is not None:
+            n = len(verdict.tokens)
+            chosen, top_ids, top_vals = logprobs_of(logits[:n], torch.tensor(verdict.tokens,
+                                                    device=logits.device), spec.logprobs)
+            outcome.logprobs = [TokenLogprobs(float(chosen[i]), list(zip(top_ids[i].tolist(),
+                                                                          top_vals[i].tolist())))
+                                for i in range(n)]
+        return outcome
+
+    def _committed_rows(self, w, rows, accepted_drafts, outcome, hidden, captured):
+        """The rows now committed for the drafter: the chunk (or pending token) plus accepted
+        drafts; each row's next token is the following one, the sampled or looked-ahead last."""
+        n = len(w.tokens) + len(accepted_drafts)
+        tokens = w.tokens + accepted_drafts
+        last_next = outcome.tokens[-1] if outcome else w.next_token
+        assert last_next is not None, "a prefill chunk that does not sample carries next_token"
+        sl = slice(rows.start, rows.start + n)
+        return CommittedRows(w.slot, w.context_len, tokens, tokens[1:] + [last_next], hidden[sl],
+                             [c[sl] for c in captured], w.block_table, w.context_len == 0)

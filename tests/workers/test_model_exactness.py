@@ -24,7 +24,7 @@ def prefill_logits(worker: Worker, ids: list[int], chunk: int) -> torch.Tensor:
     for start in range(0, len(ids), chunk):
         batch = ForwardBatch.build([(ids[start:start + chunk], start, table, 0)],
                                    worker.config.block_size, worker.device)
-        out.append(worker.model.logits(worker.model(batch, worker.kv, worker.ssm)))
+        out.append(worker.model.logits(worker.model(batch, worker.kv, worker.ssm)[0]))
     return torch.cat(out)
 
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from metrale.workers.sampler import SamplingSpec, sample, target_probs
+from metrale.drafting.rejection import verify_drafts
+from metrale.workers.sampler import SamplingSpec, generator_for, target_probs
 
 LOGITS = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]]))
 
@@ -15,6 +16,14 @@ LOGITS = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]]))
 def spec(**kw) -> SamplingSpec:
     base = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=7, draw=0)
     return SamplingSpec(**{**base, **kw})
+
+
+def sample(logits, specs) -> torch.Tensor:
+    """One token per row, as the worker draws a token when there are no drafts."""
+    probs = target_probs(logits, specs)
+    return torch.tensor([verify_drafts([], probs[i:i + 1], None, s.greedy, None,
+                                       [generator_for(s, logits.device)]).tokens[0]
+                         for i, s in enumerate(specs)])
 
 
 def support(**kw) -> list[int]:

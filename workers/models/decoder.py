@@ -93,14 +93,22 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: PagedKVCache | None,
-                ssm: SSMSlotPool | None) -> torch.Tensor:
-        """Runs every row of the batch; returns the last layer's hidden states before the final norm."""
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache | None, ssm: SSMSlotPool | None,
+                capture: tuple[int, ...] = (), num_layers: int | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Runs every row of the batch through the first `num_layers` layers (all by default).
+
+        Returns the hidden states before the final norm, [T, hidden], and the output of each layer
+        listed in `capture` (DFlash drafters read them).
+        """
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
+        captured = {}
+        for i, layer in enumerate(self.model.layers[:num_layers]):
             x = layer(x, cos_sin, batch, kv, ssm)
-        return x
+            if i in capture:
+                captured[i] = x
+        return x, [captured[i] for i in capture]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

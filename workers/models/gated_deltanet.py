@@ -65,17 +65,25 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         core = torch.empty(n_rows, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-        for rows, slots in _groups_by_length(batch, x.device):
-            core[rows] = self._mix(mixed[rows], g[rows], beta[rows], slots, pool).to(x.dtype)
+        for rows, slots, verify in _groups(batch, x.device):
+            out = self._mix(mixed[rows], g[rows], beta[rows], slots, pool, verify)
+            core[rows] = out.to(x.dtype)
         out = self.norm(core, z).reshape(n_rows, self.value_dim)
         return self.out_proj(out)
 
-    def _mix(self, mixed, g, beta, slots, pool):
-        """mixed: [B, L, conv_dim] for B sequences of L rows each; updates their slots in place."""
+    def _mix(self, mixed, g, beta, slots, pool, verify: bool):
+        """mixed: [B, L, conv_dim] for B sequences of L rows each. Updates their slots in place, or
+        with `verify` writes the state after each row into the slots' verify-pool entries 0..L-1."""
         n_seq, length, _ = mixed.shape
         layer = self.pool_index
         window = torch.cat((pool.conv[layer, slots], mixed.transpose(1, 2).to(pool.conv.dtype)), -1)
-        pool.conv[layer, slots] = window[..., -(self.kernel - 1):]
+        if verify:
+            entries = _verify_entries(pool, slots, length)
+            # the conv window after row t is columns t+1 .. t+K-1 of the extended window
+            per_row = window.unfold(-1, self.kernel - 1, 1)[:, :, 1:]      # [B, C, L, K-1]
+            pool.verify_conv[layer, entries] = per_row.permute(0, 2, 1, 3)
+        else:
+            pool.conv[layer, slots] = window[..., -(self.kernel - 1):]
         weight = self.conv1d.weight
         conv = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0]))
         q, k, v = torch.split(conv.transpose(1, 2).to(mixed.dtype),
@@ -86,17 +94,32 @@ class GatedDeltaNet(nn.Module):
         if self.num_v_heads != self.num_k_heads:  # each key head serves consecutive value heads
             rep = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        out, state, _ = gated_delta_rule(q, k, v, g, beta, pool.state[layer, slots])
-        pool.state[layer, slots] = state
+        out, state, states = gated_delta_rule(q, k, v, g, beta, pool.state[layer, slots],
+                                              keep_states=verify)
+        if verify:
+            pool.verify_state[layer, entries] = states
+        else:
+            pool.state[layer, slots] = state
         return out
 
 
-def _groups_by_length(batch: ForwardBatch, device):
-    """Row indices [B, L] and slots [B] for each set of sequences with the same chunk length."""
-    by_len: dict[int, list] = {}
+def _verify_entries(pool: SSMSlotPool, slots: torch.Tensor, length: int) -> torch.Tensor:
+    """Verify-pool entries [B, L] of the slots: entry i holds the state after row i."""
+    for s in slots.tolist():
+        if length > pool.capacity[s] + 1:
+            raise ValueError(f"verify of {length} rows overflows slot {s} "
+                             f"(capacity {pool.capacity[s]} drafts)")
+    offsets = torch.tensor([pool.offset[s] for s in slots.tolist()], device=slots.device)
+    return offsets[:, None] + torch.arange(length, device=slots.device)[None, :]
+
+
+def _groups(batch: ForwardBatch, device):
+    """Row indices [B, L], slots [B] and the verify flag of each set of sequences that share a
+    chunk length and a verify flag, so each set runs as one batched recurrence."""
+    groups: dict[tuple[int, bool], list] = {}
     for s in batch.seqs:
-        by_len.setdefault(s.length, []).append(s)
-    for length, seqs in by_len.items():
+        groups.setdefault((s.length, s.verify), []).append(s)
+    for (length, verify), seqs in groups.items():
         starts = torch.tensor([s.start for s in seqs], device=device)
         rows = starts[:, None] + torch.arange(length, device=device)[None, :]
-        yield rows, torch.tensor([s.slot for s in seqs], device=device)
+        yield rows, torch.tensor([s.slot for s in seqs], device=device), verify

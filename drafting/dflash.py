@@ -1,0 +1,215 @@
+"""The DFlash proposer: a block-diffusion drafter (z-lab layout) that drafts gamma-1 tokens per forward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
+                                       masked_argmax)
+from metrale.workers.models.config import CheckpointError
+from metrale.workers.models.decoder import CausalLM
+from metrale.workers.models.layers import MLP, RMSNorm, Rotary
+from metrale.workers.models.loader import read_tensors
+
+
+class DFlashLayer(nn.Module):
+    """A Qwen3-style layer whose keys and values also come from the context features."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.self_attn.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.self_attn.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.self_attn.q_norm = RMSNorm(head_dim, eps)
+        self.self_attn.k_norm = RMSNorm(head_dim, eps)
+        self.mlp = MLP(hidden, inter)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def keys_values(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., hidden] -> K (normed, rotated) and V: [..., kv_heads, head_dim]."""
+        a = self.self_attn
+        k = a.k_norm(a.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
+        return Rotary.apply(k, *cos_sin), a.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+
+    def forward(self, x, cos_sin, ctx_k, ctx_v, ctx_mask):
+        """x: [B, g, hidden] the block; ctx_k/v: [B, W, kv_heads, head_dim]; ctx_mask: [B, W]."""
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = Rotary.apply(a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.head_dim))), *cos_sin)
+        k, v = self.keys_values(h, cos_sin)
+        keys, values = torch.cat((ctx_k, k), 1), torch.cat((ctx_v, v), 1)
+        block_mask = torch.ones(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
+        mask = torch.cat((ctx_mask, block_mask), 1)[:, None, None, :]   # non-causal within the block
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                             values.transpose(1, 2), attn_mask=mask,
+                                             scale=self.head_dim ** -0.5, enable_gqa=True)
+        x = x + a.o_proj(out.transpose(1, 2).flatten(2))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: dict, num_features: int):
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or hidden // heads
+        self.layers = nn.ModuleList(
+            DFlashLayer(hidden, heads, cfg.get("num_key_value_heads", heads), head_dim,
+                        cfg["intermediate_size"], eps) for _ in range(cfg["num_hidden_layers"]))
+        self.fc = nn.Linear(num_features * hidden, hidden, bias=False)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.norm = RMSNorm(hidden, eps)
+        self.rotary = Rotary(head_dim, _theta(cfg))
+
+
+def read_dflash_config(drafter_dir: Path, target: CausalLM) -> dict:
+    path = drafter_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (a DFlash drafter directory needs config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    tc, dflash = target.config, cfg.get("dflash_config") or {}
+    for key in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "intermediate_size"):
+        if key not in cfg:
+            raise ProposerError(f"{path}: {key!r} is missing; not a DFlash drafter config")
+    if "mask_token_id" not in dflash or "target_layer_ids" not in dflash:
+        raise ProposerError(f"{path}: dflash_config needs mask_token_id and target_layer_ids")
+    if cfg["hidden_size"] != tc.hidden_size:
+        raise ProposerError(f"DFlash drafter hidden_size {cfg['hidden_size']} does not match the "
+                            f"target's {tc.hidden_size}")
+    if cfg.get("vocab_size", tc.vocab_size) != tc.vocab_size:
+        raise ProposerError(f"DFlash drafter vocab_size {cfg['vocab_size']} does not match the "
+                            f"target's {tc.vocab_size}")
+    if not 0 <= dflash["mask_token_id"] < tc.vocab_size:
+        raise ProposerError(f"DFlash mask_token_id {dflash['mask_token_id']} is outside the "
+                            f"target's vocabulary ({tc.vocab_size})")
+    bad = [i for i in dflash["target_layer_ids"] if not 0 <= i < tc.num_hidden_layers]
+    if bad or cfg.get("num_target_layers", tc.num_hidden_layers) != tc.num_hidden_layers:
+        raise ProposerError(f"DFlash target_layer_ids {dflash['target_layer_ids']} / "
+                            f"num_target_layers {cfg.get('num_target_layers')} do not fit a target "
+                            f"of {tc.num_hidden_layers} layers")
+    if cfg["block_size"] < 2:
+        raise ProposerError(f"DFlash block_size must be >= 2, got {cfg['block_size']}")
+    return cfg
+
+
+class DFlashProposer:
+    method = "dflash"
+    max_batch = 64
+    keeps_row_state = True
+
+    def __init__(self, target: CausalLM, drafter_dir: str | Path, num_slots: int, window: int):
+        drafter_dir = Path(drafter_dir)
+        cfg = read_dflash_config(drafter_dir, target)
+        device, dtype = target.lm_head.weight.device, target.config.dtype
+        self.capture_layers = tuple(cfg["dflash_config"]["target_layer_ids"])
+        self.mask_token = cfg["dflash_config"]["mask_token_id"]
+        self.gamma = cfg["block_size"]
+        self.fixed_drafts = self.gamma - 1
+        with torch.device("meta"):
+            drafter = DFlashDrafter(cfg, len(self.capture_layers))
+        state = read_tensors(drafter_dir, device, dtype)
+        expected = drafter.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ProposerError(f"{drafter_dir}: weights do not fit a DFlash drafter "
+                                f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
+        for name, t in state.items():
+            if t.shape != expected[name].shape:
+                raise ProposerError(f"{drafter_dir}: {name} has shape {tuple(t.shape)}, expected "
+                                    f"{tuple(expected[name].shape)} for this target")
+        drafter.load_state_dict(state, assign=True)
+        drafter.rotary = Rotary(drafter.rotary.rotary_dim, _theta(cfg)).to(device)  # off meta
+        self.drafter, self.target = drafter.eval(), target
+        layer = drafter.layers[0]
+        # Context: per slot and draft layer, the K/V of the committed positions' features,
+        # a window of the most recent `window` rows with their absolute positions.
+        shape = (len(drafter.layers), num_slots, window, layer.kv_heads, layer.head_dim)
+        self.ctx_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.ctx_len = [0] * num_slots
+        self.window = window
+
+    @classmethod
+    def from_worker(cls, target, drafter, num_slots, dflash_window=2048, **_):
+        if not drafter:
+            raise ProposerError("speculative method 'dflash' needs a drafter directory (--drafter)")
+        return cls(target, drafter, num_slots, dflash_window)
+
+    @torch.inference_mode()
+    def commit(self, rows: list[CommittedRows]) -> None:
+        if not rows:
+            return
+        d = self.drafter
+        feats = d.hidden_norm(d.fc(torch.cat([torch.cat(r.captured, -1) for r in rows])))
+        positions = torch.cat([torch.arange(r.start, r.start + len(r.tokens)) for r in rows])
+        cos_sin = d.rotary.cos_sin(positions.to(feats.device), feats.dtype)
+        kv = [layer.keys_values(feats, cos_sin) for layer in d.layers]
+        first = 0
+        for r in rows:
+            n = len(r.tokens)
+            if r.fresh:
+                self.ctx_len[r.slot] = 0
+            for li, (k, v) in enumerate(kv):
+                self._append(li, r.slot, k[first:first + n], v[first:first + n])
+            self.ctx_len[r.slot] = min(self.ctx_len[r.slot] + n, self.window)
+            first += n
+
+    def _append(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends rows to the slot's window, sliding out the oldest rows when it is full."""
+        have, n, w = self.ctx_len[slot], k.shape[0], self.window
+        if n >= w:
+            self.ctx_k[layer, slot], self.ctx_v[layer, slot] = k[-w:], v[-w:]
+            return
+        keep = min(have, w - n)
+        if keep < have:   # slide: the rows to keep move to the front
+            self.ctx_k[layer, slot, :keep] = self.ctx_k[layer, slot, have - keep:have].clone()
+            self.ctx_v[layer, slot, :keep] = self.ctx_v[layer, slot, have - keep:have].clone()
+        self.ctx_k[layer, slot, keep:keep + n], self.ctx_v[layer, slot, keep:keep + n] = k, v
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        d, g = self.drafter, self.gamma
+        device = self.ctx_k.device
+        slots = torch.tensor([r.slot for r in requests], device=device)
+        block = torch.full((len(requests), g), self.mask_token, dtype=torch.long, device=device)
+        block[:, 0] = torch.tensor([r.pending for r in requests], device=device)
+        positions = torch.tensor([r.position for r in requests], device=device)[:, None] + \
+            torch.arange(g, device=device)[None, :]
+        x = self.target.model.embed_tokens(block)
+        cos_sin = tuple(t.unflatten(0, (len(requests), g)) for t in
+                        d.rotary.cos_sin(positions.flatten(), x.dtype))
+        width = max(self.ctx_len[r.slot] for r in requests)
+        ctx_mask = torch.arange(width, device=device)[None, :] < torch.tensor(
+            [self.ctx_len[r.slot] for r in requests], device=device)[:, None]
+        for li, layer in enumerate(d.layers):
+            x = layer(x, cos_sin, self.ctx_k[li, slots, :width], self.ctx_v[li, slots, :width],
+                      ctx_mask)
+        logits = self.target.lm_head(d.norm(x[:, 1:])).float()      # [B, g-1, vocab]
+        proposals = []
+        for i, req in enumerate(requests):
+            prop = Proposal([])
+            for j in range(min(req.num_drafts, g - 1)):
+                token, conf = masked_argmax(logits[i, j], req.allowed(prop.tokens)
+                                            if req.allowed else None)
+                prop.tokens.append(token)
+                prop.confidence.append(conf)
+            proposals.append(prop)
+        return proposals
+
+
+def _theta(cfg: dict) -> float:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return rope.get("rope_theta", cfg.get("rope_theta", 10000.0))

@@ -1,0 +1,133 @@
+"""The MTP proposer: the checkpoint's own multi-token-prediction layer, chained for k drafts."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
+                                       masked_argmax)
+from metrale.workers.batch import ForwardBatch
+from metrale.workers.kv_cache import PagedKVCache
+from metrale.workers.models.config import ModelConfig
+from metrale.workers.models.decoder import CausalLM, DecoderLayer
+from metrale.workers.models.layers import RMSNorm
+
+
+class MTPHead(nn.Module):
+    """`h = fc([norm_e(embed(token)), norm_h(hidden)])`, then full-attention decoder layer(s)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, offset=True)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, offset=True)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, "full_attention", i)
+                                    for i in range(cfg.mtp_num_hidden_layers))
+        self.norm = RMSNorm(h, eps, offset=True)
+
+    def forward(self, target: CausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
+                batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """Row p reads (token p+1, target hidden at p); returns hidden rows before the MTP norm."""
+        e = self.pre_fc_norm_embedding(target.model.embed_tokens(tokens))
+        x = self.fc(torch.cat((e, self.pre_fc_norm_hidden(hidden)), dim=-1))
+        cos_sin = target.model.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos_sin, batch, kv, None)
+        return x
+
+
+class MTPProposer:
+    method = "mtp"
+    capture_layers: tuple[int, ...] = ()
+    fixed_drafts = None
+    keeps_row_state = True
+
+    def __init__(self, target: CausalLM, tensors: dict[str, torch.Tensor], num_blocks: int,
+                 block_size: int, num_slots: int, confidence_threshold: float | None = None,
+                 max_batch: int = 64):
+        cfg = target.config
+        if cfg.mtp_num_hidden_layers < 1 or not tensors:
+            raise ProposerError("speculative method 'mtp' needs the checkpoint's MTP layer: "
+                                "config.json has no mtp_num_hidden_layers and the weights no mtp.* "
+                                "tensors (use 'dflash', 'ngram' or 'self' instead)")
+        device, dtype = target.lm_head.weight.device, cfg.dtype
+        with torch.device("meta"):
+            head = MTPHead(cfg)
+        state = {name[len("mtp."):]: t for name, t in tensors.items()}
+        missing = sorted(set(head.state_dict()) - set(state))
+        unexpected = sorted(set(state) - set(head.state_dict()))
+        if missing or unexpected:
+            raise ProposerError(f"mtp.* tensors do not fit the target (missing {missing[:4]}, "
+                                f"unexpected {unexpected[:4]})")
+        for name, t in state.items():
+            if t.shape != head.state_dict()[name].shape:
+                raise ProposerError(f"mtp.{name} has shape {tuple(t.shape)}, the target's "
+                                    f"dimensions imply {tuple(head.state_dict()[name].shape)}")
+        head.load_state_dict(state, assign=True)
+        self.head, self.target = head.eval(), target
+        self.kv = PagedKVCache(cfg.mtp_num_hidden_layers, num_blocks, block_size,
+                               cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+        # Stash: the MTP output at each slot's last committed row, which yields the first draft.
+        self.stash = torch.zeros(num_slots, cfg.hidden_size, dtype=dtype, device=device)
+        self.stash_pos = [0] * num_slots
+        self.block_size, self.max_batch = block_size, max_batch
+        # a draft whose probability is below the threshold ends its chain (the first is always kept)
+        self.threshold = math.log(confidence_threshold) if confidence_threshold else None
+
+    @classmethod
+    def from_worker(cls, target, mtp_tensors, num_blocks, block_size, num_slots,
+                    mtp_confidence_threshold=None, propose_batch_max=64, **_):
+        return cls(target, mtp_tensors, num_blocks, block_size, num_slots,
+                   mtp_confidence_threshold, propose_batch_max)
+
+    @torch.inference_mode()
+    def commit(self, rows: list[CommittedRows]) -> None:
+        """Catch-up: MTP rows for every committed position, including serially decoded ones."""
+        if not rows:
+            return
+        batch = ForwardBatch.build([(r.next_tokens, r.start, r.block_table, -1) for r in rows],
+                                   self.block_size, self.stash.device)
+        hidden = torch.cat([r.hidden for r in rows])
+        out = self.head(self.target, batch.input_ids, hidden, batch, self.kv)
+        for r, s in zip(rows, batch.seqs):
+            self.stash[r.slot] = out[s.start + s.length - 1]
+            self.stash_pos[r.slot] = s.context_len + s.length - 1
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        out = []
+        for i in range(0, len(requests), self.max_batch):
+            out.extend(self._propose_batch(requests[i:i + self.max_batch]))
+        return out
+
+    def _propose_batch(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in requests]
+        hidden = self.stash[[r.slot for r in requests]]
+        active = list(range(len(requests)))
+        for step in range(max(r.num_drafts for r in requests)):
+            logits = self.target.lm_head(self.head.norm(hidden)).float()
+            still, next_rows = [], []
+            for row, i in enumerate(active):
+                req, prop = requests[i], proposals[i]
+                mask = req.allowed(prop.tokens) if req.allowed else None
+                token, conf = masked_argmax(logits[row], mask)
+                if self.threshold is not None and prop.tokens and conf < self.threshold:
+                    continue   # a low-confidence draft ends this chain
+                prop.tokens.append(token)
+                prop.confidence.append(conf)
+                if len(prop.tokens) < req.num_drafts:
+                    still.append(i)
+                    next_rows.append(row)
+            if not still:
+                break
+            # Chain: the next row reads (this draft, this row's MTP hidden) one position later.
+            chunks = [(proposals[i].tokens[-1:], self.stash_pos[requests[i].slot] + step + 1,
+                       requests[i].block_table, -1) for i in still]
+            batch = ForwardBatch.build(chunks, self.block_size, hidden.device)
+            hidden = self.head(self.target, batch.input_ids, hidden[next_rows], batch, self.kv)
+            active = still
+        return proposals

@@ -1,0 +1,84 @@
+"""The proposer interface every drafter implements, the records it exchanges, and the registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+# allowed(drafts so far in this round) -> bool mask [vocab] for the next token, or None (no grammar)
+MaskFn = Callable[[list[int]], "torch.Tensor | None"]
+
+
+class ProposerError(ValueError):
+    """A drafter that cannot serve this target; the message names the mismatch."""
+
+
+@dataclass
+class ProposeRequest:
+    slot: int
+    position: int               # absolute position of the pending token
+    pending: int                # the last committed token, not yet run through the target
+    num_drafts: int
+    block_table: list[int]
+    history: list[int]          # every committed token, the pending one last (for n-gram lookup)
+    allowed: MaskFn | None = None
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    confidence: list[float] = field(default_factory=list)   # top-1 log-probability per draft
+
+
+@dataclass
+class CommittedRows:
+    """Rows of the last target forward that are now part of one sequence: the drafter's input."""
+    slot: int
+    start: int                  # absolute position of the first row
+    tokens: list[int]           # the rows' input tokens
+    next_tokens: list[int]      # the token after each row (the last one: sampled or looked ahead)
+    hidden: torch.Tensor        # [rows, hidden] target hidden states before the final norm
+    captured: list[torch.Tensor]  # [rows, hidden] per capture layer
+    block_table: list[int]
+    fresh: bool                 # the sequence's first rows: forget what the slot held before
+
+
+class Proposer(Protocol):
+    method: str
+    capture_layers: tuple[int, ...]   # target layers whose outputs `commit` needs
+    max_batch: int                    # widest batch one propose forward takes
+    fixed_drafts: int | None          # drafts per propose fixed by the drafter (DFlash: gamma - 1)
+    keeps_row_state: bool             # per-sequence state built from every row (no prefix sharing)
+
+    def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        """Up to `num_drafts` drafts per request (fewer when the drafter stops early)."""
+
+    def commit(self, rows: list[CommittedRows]) -> None:
+        """Brings the drafter's per-sequence state up to date with newly committed rows."""
+
+
+METHODS = ("none", "mtp", "dflash", "ngram", "self")
+
+
+def build_proposer(method: str, **resources) -> Proposer | None:
+    """The proposer registered under `method`, built from the worker's resources."""
+    if method not in METHODS:
+        raise ProposerError(f"speculative method {method!r} is not one of {', '.join(METHODS)}")
+    if method == "none":
+        return None
+    from metrale.drafting import dflash, mtp, ngram, self_spec
+    registry = {"mtp": mtp.MTPProposer.from_worker, "dflash": dflash.DFlashProposer.from_worker,
+                "ngram": ngram.NgramProposer.from_worker,
+                "self": self_spec.SelfSpecProposer.from_worker}
+    return registry[method](**resources)
+
+
+def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> tuple[int, float]:
+    """The best allowed token of one row of logits and its log-probability under the mask."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    token = int(logp.argmax())
+    return token, float(logp[token])
