@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import checkpoints
+from metrale.cluster.params import SamplingParams
+from metrale.deploy.llm import LLM
 
 # Variants of the supported architectures: head dims, GQA ratios, layer patterns, tied embeddings,
 # and both Qwen3.5 layouts.
@@ -13,7 +15,7 @@ VARIANTS = {
     "qwen3": dict(arch="qwen3"),
     "qwen3-mha-tied": dict(arch="qwen3", num_key_value_heads=4, head_dim=32,
                            tie_word_embeddings=True),
-    "qwen3_5": dict(arch="qwen3_5"),
+    "qwen3_5": dict(arch="qwen3_5", mtp=True),
     "qwen3_5-pattern": dict(arch="qwen3_5", num_hidden_layers=5, head_dim=32, num_key_value_heads=1,
                             layer_types=["full_attention", "linear_attention", "linear_attention",
                                          "full_attention", "linear_attention"],
@@ -24,6 +26,19 @@ VARIANTS = {
 }
 
 LOGIT_DIFFS: dict[str, float] = {}
+PROMPTS = ["def schedule(self, tokens):", "The café engine", "日本語 🙂 x = [1, 2, 3]\n",
+           "# serves pages and blocks before the logits are ready"]
+
+
+def run_with_arrivals(llm: LLM, arrivals: dict[int, list[list[int]]], params: SamplingParams):
+    """Adds prompts at the given engine steps (continuous batching); returns outputs in order."""
+    ids, step = [], 0
+    while step <= max(arrivals) or llm.scheduler.has_work:
+        for prompt in arrivals.get(step, []):
+            ids.append(llm.add_request(prompt, params))
+        llm.step()
+        step += 1
+    return [llm.finished_output(r) for r in ids]
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +52,20 @@ def checkpoint(tmp_path_factory):
             arch = spec.pop("arch")
             built[name] = checkpoints.write_checkpoint(tmp_path_factory.mktemp(name), arch, **spec)
         return built[name]
+    return get
+
+
+@pytest.fixture(scope="session")
+def dflash_drafter(checkpoint, tmp_path_factory):
+    """dflash_drafter(name) -> a random DFlash drafter directory for the named target."""
+    built = {}
+
+    def get(name: str, block_size: int = 4):
+        key = (name, block_size)
+        if key not in built:
+            built[key] = checkpoints.write_dflash_drafter(
+                tmp_path_factory.mktemp(f"dflash-{name}"), checkpoint(name), block_size=block_size)
+        return built[key]
     return get
 
 

@@ -7,14 +7,11 @@ import torch
 from tokenizers import Tokenizer
 
 import checkpoints
-from conftest import VARIANTS
+from conftest import PROMPTS, VARIANTS, run_with_arrivals
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.llm import LLM
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.worker import Worker, WorkerConfig
-
-PROMPTS = ["def schedule(self, tokens):", "The café engine", "日本語 🙂 x = [1, 2, 3]\n",
-           "# serves pages and blocks before the logits are ready"]
 
 
 def prefill_logits(worker: Worker, ids: list[int], chunk: int) -> torch.Tensor:
@@ -42,17 +39,6 @@ def test_prefill_logits_match_transformers(checkpoint, logit_report, name):
         diff = (ours - ref).abs().max().item()
         logit_report(name, diff)
         assert diff < 2e-4, f"{name}: max |logit diff| {diff} (chunk {chunk})"
-
-
-def run_with_arrivals(llm: LLM, arrivals: dict[int, list[list[int]]], params: SamplingParams):
-    """Adds prompts at the given engine steps (continuous batching); returns outputs in order."""
-    ids, step = [], 0
-    while step <= max(arrivals) or llm.scheduler.has_work:
-        for prompt in arrivals.get(step, []):
-            ids.append(llm.add_request(prompt, params))
-        llm.step()
-        step += 1
-    return [llm.finished_output(r) for r in ids]
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -1,0 +1,152 @@
+"""Speculation is lossless: greedy output with every proposer equals greedy output without one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import checkpoints
+from conftest import PROMPTS, run_with_arrivals
+from metrale.cluster.params import SamplingParams
+from metrale.drafting.proposer import Proposal
+from metrale.deploy.llm import LLM
+from metrale.workers.ssm_pool import SSMSlotPool
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+CASES = [(m, name) for m in ("mtp", "dflash", "ngram", "self")
+         for name in ("qwen3", "qwen3_5", "qwen3_5-vl") if not (m == "mtp" and name == "qwen3")]
+
+
+def reference(model_dir, prompts, n=40):
+    return [checkpoints.reference_greedy(model_dir, p, n) for p in prompts]
+
+
+def entry_bytes(llm_kw, model_dir) -> int:
+    """Bytes of one verify-pool entry (one slot's linear-attention state); 0 without SSM layers."""
+    probe = LLM(model_dir, device="cpu", speculative_method="ngram",
+                **{**llm_kw, "max_num_seqs": 1})
+    return probe.worker.ssm.slot_bytes if probe.worker.ssm else 0
+
+
+@pytest.mark.parametrize("method, name", CASES)
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_speculation_is_exact(checkpoint, dflash_drafter, method, name, k):
+    model_dir = checkpoint(name)
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+    per_entry = entry_bytes(kw, model_dir)
+    # Verify pools for about 2 full-depth slots: the others get less (or no) capacity.
+    pool = dict(verify_pool_bytes=per_entry * (2 * (k + 1) + 2)) if per_entry else {}
+    llm = LLM(model_dir, device="cpu", speculative_method=method, num_drafts=k,
+              drafter=dflash_drafter(name, block_size=k + 1) if method == "dflash" else None,
+              kv_cache_bytes=40 * _kv_block_bytes(model_dir), **kw, **pool)
+    if per_entry:
+        caps = llm.worker.capacity.slot_capacity
+        assert max(caps) == k and min(caps) < k, caps
+    prompts = [llm.encode(p) for p in PROMPTS]
+    outs = run_with_arrivals(llm, {0: prompts[:2], 2: prompts[2:3], 5: prompts[3:]}, GREEDY)
+    assert [o.token_ids for o in outs] == reference(model_dir, prompts)
+    assert llm.scheduler.stats.rounds > 0
+    assert llm.scheduler.num_preemptions > 0
+
+
+def _kv_block_bytes(model_dir) -> int:
+    probe = LLM(model_dir, device="cpu", block_size=4, max_num_seqs=1)
+    return probe.worker.kv.k[:, 0].nbytes * 2
+
+
+class OracleProposer:
+    """Drafts the true greedy continuation, corrupted at a random position half of the time, so
+    rounds accept every possible number of drafts."""
+    method, capture_layers, fixed_drafts, keeps_row_state, max_batch = "oracle", (), None, False, 64
+
+    def __init__(self, full_sequences: list[list[int]], seed: int = 0):
+        self.full, self.rng = full_sequences, random.Random(seed)
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            seq = next(s for s in self.full if s[:len(r.history)] == r.history)
+            drafts = seq[len(r.history):len(r.history) + r.num_drafts]
+            if drafts and self.rng.random() < 0.5:
+                i = self.rng.randrange(len(drafts))
+                drafts = drafts[:i] + [(drafts[i] + 1) % 300] + drafts[i + 1:]
+            out.append(Proposal(drafts))
+        return out
+
+    def commit(self, rows):
+        pass
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "qwen3_5-vl"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_every_acceptance_length_commits_exactly(checkpoint, name, k):
+    model_dir = checkpoint(name)
+    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="ngram", num_drafts=k,
+              max_num_batched_tokens=16)
+    prompts = [llm.encode(p) for p in PROMPTS]
+    refs = reference(model_dir, prompts)
+    llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
+    outs = run_with_arrivals(llm, {0: prompts[:3], 4: prompts[3:]}, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    stats = llm.scheduler.stats
+    assert stats.drafts_accepted > 0 and stats.mean_acceptance_length > 1.5
+    if k > 1:
+        assert 0 < stats.accepted_at[-1] < stats.proposed_at[-1]
+
+
+def test_round_k_is_the_minimum_capacity_without_ragged_drafts(checkpoint):
+    import dataclasses
+    model_dir = checkpoint("qwen3_5")
+    per_entry = entry_bytes(dict(block_size=4), model_dir)
+    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="self", num_drafts=3,
+              max_num_seqs=3, verify_pool_bytes=per_entry * 6)
+    assert llm.worker.capacity.slot_capacity == (3, 1, 0)
+    llm.scheduler.capacity = dataclasses.replace(llm.scheduler.capacity, ragged_drafts=False)
+    for p in PROMPTS[:3]:
+        llm.add_request(llm.encode(p), GREEDY)
+    seen = []
+    while llm.scheduler.has_work:
+        plan = llm.scheduler.schedule()
+        seen.append({w.slot: w.num_drafts for w in plan.work if w.sample})
+        llm.scheduler.update(plan, llm.worker.execute(plan))
+    # Slots that can speculate share the smallest of their capacities; slot 2 (capacity 0) decodes
+    # without drafts and does not hold the others back.
+    both = [s for s in seen if s.get(0) and s.get(1)]
+    assert both and all(s[0] == s[1] == 1 and s.get(2, 0) == 0 for s in both), both
+    assert any(s.get(0) == 3 for s in seen)                 # alone, slot 0 gets its full depth
+
+
+def test_ragged_drafts_respect_each_slot(checkpoint):
+    model_dir = checkpoint("qwen3_5")
+    per_entry = entry_bytes(dict(block_size=4), model_dir)
+    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="self", num_drafts=3,
+              max_num_seqs=3, verify_pool_bytes=per_entry * 6)
+    for p in PROMPTS[:3]:
+        llm.add_request(llm.encode(p), GREEDY)
+    caps = llm.worker.capacity.slot_capacity
+    while llm.scheduler.has_work:
+        plan = llm.scheduler.schedule()
+        assert all(w.num_drafts <= caps[w.slot] for w in plan.work)
+        llm.scheduler.update(plan, llm.worker.execute(plan))
+    report = llm.worker.memory_report()
+    assert report["slot_capacity"] == [3, 1, 0]
+    assert report["verify_pool_bytes_per_slot"] == [4 * per_entry, 2 * per_entry, 0]
+
+
+def test_drafts_above_every_capacity_are_clamped_with_a_warning(checkpoint, caplog):
+    model_dir = checkpoint("qwen3_5")
+    llm = LLM(model_dir, device="cpu", speculative_method="ngram", num_drafts=6, max_drafts=2)
+    assert llm.scheduler.num_drafts == 2
+    assert "exceeds every slot's verify capacity" in caplog.text
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert out.token_ids == reference(model_dir, [llm.encode(PROMPTS[0])])[0]
+
+
+def test_verify_pool_capacities_from_a_budget():
+    from metrale.workers.ssm_pool import verify_capacities
+    assert verify_capacities(4, 3, 100) == [3, 3, 3, 3]
+    assert verify_capacities(4, 3, 10) == [3, 3, 1, 0]
+    assert verify_capacities(3, 3, 1) == [0, 0, 0]
+    pool = SSMSlotPool(1, 3, 4, 4, 2, 2, 2, __import__("torch").float32, "cpu", [3, 1, 0])
+    assert pool.offset == [0, 4, 6] and pool.verify_state.shape[1] == 6
