@@ -1,0 +1,82 @@
+"""MTP catch-up and the DFlash context: after rounds of partial acceptance, the drafter proposes
+what it proposes after a fresh prefill of the same committed tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+import checkpoints
+from conftest import PROMPTS
+from metrale.cluster.params import SamplingParams
+from metrale.deploy.llm import LLM
+from metrale.drafting.proposer import ProposeRequest
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+def proposal_for(llm: LLM, seq, k: int):
+    req = ProposeRequest(seq.slot, seq.num_computed, seq.tokens[-1], k, seq.block_table,
+                         seq.tokens)
+    return llm.worker.proposer.propose([req])[0]
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5-vl"])
+def test_drafter_state_after_partial_acceptance_equals_fresh_prefill(
+        checkpoint, dflash_drafter, method, name):
+    model_dir = checkpoint(name)
+    kw = dict(device="cpu", block_size=4, speculative_method=method, num_drafts=3,
+              drafter=dflash_drafter(name) if method == "dflash" else None)
+    llm = LLM(model_dir, max_num_batched_tokens=6, **kw)     # chunked prefill too
+    prompt = llm.encode(PROMPTS[3])
+    truth = prompt + checkpoints.reference_greedy(model_dir, prompt, 30)
+    real_propose = llm.worker.proposer.propose
+
+    def one_right_then_wrong(requests):
+        # The drafter runs for real (and writes its speculative state); its drafts are replaced
+        # by the true continuation with the second draft wrong, so each round accepts one draft.
+        proposals = real_propose(requests)
+        for r, p in zip(requests, proposals):
+            t = truth[len(r.history):len(r.history) + r.num_drafts]
+            p.tokens = t[:1] + [(t[1] + 1) % 300] + t[2:] if len(t) > 1 else t
+        return proposals
+
+    llm.worker.proposer.propose = one_right_then_wrong
+    rid = llm.add_request(prompt, GREEDY)
+    seq = llm.scheduler.by_request[rid][0]
+    while seq.spec.rounds < 4:
+        llm.step()
+    assert seq.spec.drafts_accepted == seq.spec.rounds      # partial: 1 of 3 each round
+    llm.worker.proposer.propose = real_propose
+    after_rounds = proposal_for(llm, seq, 3)
+
+    fresh = LLM(model_dir, **kw)
+    rid2 = fresh.add_request(seq.tokens[:-1], GREEDY)
+    seq2 = fresh.scheduler.by_request[rid2][0]
+    while not seq2.output_ids:
+        fresh.step()
+    assert seq2.tokens == seq.tokens
+    after_prefill = proposal_for(fresh, seq2, 3)
+    assert after_rounds.tokens == after_prefill.tokens
+    assert after_rounds.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
+
+
+def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
+    model_dir = checkpoint("qwen3_5")
+    kw = dict(device="cpu", block_size=4, speculative_method="dflash",
+              drafter=dflash_drafter("qwen3_5"), dflash_window=8)
+    llm = LLM(model_dir, **kw)
+    prompt = llm.encode(PROMPTS[3])
+    rid = llm.add_request(prompt, GREEDY)
+    seq = llm.scheduler.by_request[rid][0]
+    while len(seq.output_ids) < 12:
+        llm.step()
+    assert llm.worker.proposer.ctx_len[seq.slot] == 8
+    # A fresh prefill of the same tokens keeps the same last 8 rows: the same proposal.
+    fresh = LLM(model_dir, **kw)
+    rid2 = fresh.add_request(seq.tokens[:-1], GREEDY)
+    seq2 = fresh.scheduler.by_request[rid2][0]
+    while not seq2.output_ids:
+        fresh.step()
+    a, b = proposal_for(llm, seq, 3), proposal_for(fresh, seq2, 3)
+    assert a.tokens == b.tokens and a.confidence == pytest.approx(b.confidence, abs=1e-4)
