@@ -9,6 +9,7 @@ import sys
 import time
 
 from metrale.cluster.params import RequestError, SamplingParams
+from metrale.deploy.bundled import bundled_paths
 from metrale.drafting.proposer import METHODS
 from metrale.workers.models import CheckpointError
 
@@ -81,14 +82,67 @@ def cmd_generate(args) -> int:
     return 1 if failed else 0
 
 
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train the demo model (tokenizer, target, MTP, DFlash)")
+    p.add_argument("--out", required=True, help="output directory (gets target/ and dflash/)")
+    p.add_argument("--tiny", action="store_true", help="a few steps of a tiny configuration")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--stages", default="target,mtp,dflash",
+                   help="comma-separated stages; drafter stages alone reuse out/target")
+    p.add_argument("--stage-seconds", type=float, default=None,
+                   help="stop a stage early past this many seconds (the log records the steps)")
+    for name in ("target-steps", "mtp-steps", "dflash-steps", "batch", "seq-len"):
+        p.add_argument(f"--{name}", type=int, default=None)
+
+
+def cmd_train(args) -> int:
+    from dataclasses import replace
+    from pathlib import Path
+
+    from metrale.deploy.train import TrainConfig, build
+    cfg = TrainConfig.tiny(Path(args.out)) if args.tiny else TrainConfig(Path(args.out))
+    overrides = {k: v for k, v in vars(args).items()
+                 if k in ("target_steps", "mtp_steps", "dflash_steps", "batch", "seq_len")
+                 and v is not None}
+    cfg = replace(cfg, device=args.device if args.device != "auto" else cfg.device,
+                  stage_seconds=args.stage_seconds, **overrides)
+    print(json.dumps(build(cfg, tuple(args.stages.split(","))), indent=2))
+    return 0
+
+
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="perplexity, acceptance and speed on the held-out files")
+    p.add_argument("--model", default=None, help="target directory (default: the bundled model)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter (default: the bundled one)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+
+
+def cmd_eval(args) -> int:
+    from pathlib import Path
+
+    from metrale.deploy.evaluate import evaluate, format_table
+    model, drafter = bundled_paths(args.model, args.drafter, "dflash")
+    result = evaluate(Path(model), Path(drafter) if drafter else None, num_prompts=args.prompts,
+                      new_tokens=args.new_tokens, device=args.device)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="metrale", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _train_parser(sub)
+    _eval_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return {"generate": cmd_generate}[args.command](args)
+    return {"generate": cmd_generate, "train": cmd_train, "eval": cmd_eval}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.models.decoder import CausalLM, DecoderLayer
-from metrale.workers.models.layers import RMSNorm
+from metrale.workers.models.layers import RMSNorm, Rotary
 
 
 class MTPHead(nn.Module):
@@ -29,12 +29,13 @@ class MTPHead(nn.Module):
                                     for i in range(cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(h, eps, offset=True)
 
-    def forward(self, target: CausalLM, tokens: torch.Tensor, hidden: torch.Tensor,
-                batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
-        """Row p reads (token p+1, target hidden at p); returns hidden rows before the MTP norm."""
-        e = self.pre_fc_norm_embedding(target.model.embed_tokens(tokens))
+    def forward(self, embed: nn.Embedding, rotary: Rotary, tokens: torch.Tensor,
+                hidden: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache | None) -> torch.Tensor:
+        """Row p reads (token p+1, target hidden at p); returns hidden rows before the MTP norm.
+        `embed` and `rotary` are the target's; without `kv` (training) rows attend within batch."""
+        e = self.pre_fc_norm_embedding(embed(tokens))
         x = self.fc(torch.cat((e, self.pre_fc_norm_hidden(hidden)), dim=-1))
-        cos_sin = target.model.rotary.cos_sin(batch.positions, x.dtype)
+        cos_sin = rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos_sin, batch, kv, None)
         return x
@@ -84,6 +85,10 @@ class MTPProposer:
         return cls(target, mtp_tensors, num_blocks, block_size, num_slots,
                    mtp_confidence_threshold, propose_batch_max)
 
+    def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        model = self.target.model
+        return self.head(model.embed_tokens, model.rotary, batch.input_ids, hidden, batch, self.kv)
+
     @torch.inference_mode()
     def commit(self, rows: list[CommittedRows]) -> None:
         """Catch-up: MTP rows for every committed position, including serially decoded ones."""
@@ -92,7 +97,7 @@ class MTPProposer:
         batch = ForwardBatch.build([(r.next_tokens, r.start, r.block_table, -1) for r in rows],
                                    self.block_size, self.stash.device)
         hidden = torch.cat([r.hidden for r in rows])
-        out = self.head(self.target, batch.input_ids, hidden, batch, self.kv)
+        out = self._run(batch, hidden)
         for r, s in zip(rows, batch.seqs):
             self.stash[r.slot] = out[s.start + s.length - 1]
             self.stash_pos[r.slot] = s.context_len + s.length - 1
@@ -128,6 +133,6 @@ class MTPProposer:
             chunks = [(proposals[i].tokens[-1:], self.stash_pos[requests[i].slot] + step + 1,
                        requests[i].block_table, -1) for i in still]
             batch = ForwardBatch.build(chunks, self.block_size, hidden.device)
-            hidden = self.head(self.target, batch.input_ids, hidden[next_rows], batch, self.kv)
+            hidden = self._run(batch, hidden[next_rows])
             active = still
         return proposals

@@ -79,7 +79,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     """Writes this batch's K/V into the paged cache, then attends causally over each sequence's cache.
 
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads, head_dim].
+    Without a cache (training) each sequence attends over its own rows, from position 0.
     """
+    if cache is None:
+        return _attend_rows(q, k, v, batch, scale)
     cache.write(layer, batch, k, v)
     if batch.uniform_length is not None and len(batch.seqs) > 1:
         return _attend_padded(q, cache, layer, batch, scale)
@@ -93,6 +96,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
             q[rows].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
     return out
+
+
+def _attend_rows(q, k, v, batch, scale):
+    out = []
+    for s in batch.seqs:
+        assert s.context_len == 0, "attention without a cache needs whole sequences"
+        rows = slice(s.start, s.start + s.length)
+        out.append(F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1))
+    return torch.cat(out)
 
 
 def _attend_padded(q, cache, layer, batch, scale):

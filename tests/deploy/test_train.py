@@ -1,0 +1,60 @@
+"""`metrale train` on a tiny configuration (the CI smoke test) and what it writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from metrale.cluster.params import SamplingParams
+from metrale.deploy.llm import LLM
+from metrale.deploy.train import TrainConfig, build
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train")
+    r = subprocess.run([sys.executable, "-m", "metrale.deploy.cli", "train", "--out", str(out),
+                        "--tiny"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_training_writes_loadable_checkpoints(trained):
+    target, dflash = trained / "target", trained / "dflash"
+    config = json.loads((target / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["mtp_num_hidden_layers"] == 1
+    assert set(json.loads((dflash / "config.json").read_text())["dflash_config"]) == {
+        "mask_token_id", "target_layer_ids"}
+    log = json.loads((trained / "training.json").read_text())
+    assert log["steps"] == {"target": 3, "mtp": 2, "dflash": 2}
+    manifest = json.loads((target / "heldout.json").read_text())
+    assert manifest["heldout"], "the smoke configuration holds out some files"
+
+
+def test_trained_model_matches_transformers_and_speculation_is_exact(trained):
+    import transformers
+    target = trained / "target"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    llm = LLM(target, device="cpu", dtype="float32")
+    prompt = llm.encode("def read(self, path):\n    return")
+    ours = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    theirs = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24,
+                          min_new_tokens=24)[0, len(prompt):].tolist()
+    assert ours.token_ids == theirs
+    for method, drafter in (("mtp", None), ("dflash", trained / "dflash")):
+        spec = LLM(target, device="cpu", dtype="float32", speculative_method=method,
+                   drafter=drafter)
+        out = spec.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                     ignore_eos=True))[0]
+        assert out.token_ids == ours.token_ids and out.spec.rounds > 0
+
+
+def test_training_is_deterministic(trained, tmp_path):
+    build(TrainConfig.tiny(tmp_path))
+    for name in ("target/tokenizer.json", "target/model.safetensors",
+                 "target/model-mtp.safetensors", "dflash/model.safetensors"):
+        assert (tmp_path / name).read_bytes() == (trained / name).read_bytes(), name
