@@ -16,7 +16,8 @@ from metrale.workers.models import CheckpointError
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate completions for prompts in this process")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (default: the bundled demo model)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -34,7 +35,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("--speculative-method", default="none", choices=list(METHODS))
     p.add_argument("--num-drafts", type=int, default=None,
                    help="drafts per round (default: the DFlash block size - 1, else 3)")
-    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    p.add_argument("--drafter", default=None,
+                   help="DFlash drafter directory (default with the bundled model: its drafter)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, per line")
 
 
@@ -48,12 +50,13 @@ def cmd_generate(args) -> int:
         print(f"metrale generate: {e}", file=sys.stderr)
         return 2
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        model, drafter = bundled_paths(args.model, args.drafter, args.speculative_method)
+        llm = LLM(model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_bytes=args.kv_cache_mb << 20,
                   speculative_method=args.speculative_method, num_drafts=args.num_drafts,
-                  drafter=args.drafter)
-    except (CheckpointError, ValueError) as e:
+                  drafter=drafter)
+    except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"metrale generate: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
@@ -133,6 +136,33 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible endpoint on Ray Serve")
+    p.add_argument("--config", default=None, help="YAML file of MetraleConfig settings")
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory")
+    p.add_argument("--speculative-method", default=None, choices=list(METHODS))
+    p.add_argument("--num-drafts", type=int, default=None, help="drafts per round")
+    p.add_argument("--drafter", default=None, help="DFlash drafter directory")
+    p.add_argument("--replicas", type=int, default=None, help="model replicas (data parallel)")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+
+
+def cmd_serve(args) -> int:
+    from metrale.deploy.config import ConfigError, MetraleConfig
+    from metrale.deploy.serve import run_server
+    try:
+        config = MetraleConfig.from_yaml(args.config) if args.config else MetraleConfig()
+        config = config.with_overrides(
+            model=args.model, speculative_method=args.speculative_method,
+            num_drafts=args.num_drafts, drafter=args.drafter, replicas=args.replicas,
+            host=args.host, port=args.port)
+        return run_server(config)
+    except (ConfigError, CheckpointError) as e:
+        print(f"metrale serve: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="metrale", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -140,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _train_parser(sub)
     _eval_parser(sub)
+    _serve_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return {"generate": cmd_generate, "train": cmd_train, "eval": cmd_eval}[args.command](args)
+    return {"generate": cmd_generate, "train": cmd_train, "eval": cmd_eval,
+            "serve": cmd_serve}[args.command](args)
 
 
 if __name__ == "__main__":

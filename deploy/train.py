@@ -49,13 +49,13 @@ class TrainConfig:
     batch: int = 64
     target_steps: int = 2000
     target_lr: float = 2e-3
-    mtp_steps: int = 800
-    dflash_steps: int = 1500
+    mtp_steps: int = 3000
+    dflash_steps: int = 4000
     drafter_lr: float = 1e-3
     dflash_block: int = 8
-    dflash_layers: int = 2
+    dflash_layers: int = 3
     dflash_layer_ids: tuple[int, ...] = (1, 4, 6)
-    dflash_anchors: int = 16          # blocks trained per sequence
+    dflash_anchors: int = 32          # blocks trained per sequence
     heldout_every: int = 20           # one file in this many (by path hash) is held out
     max_files: int | None = None      # smoke tests train on a few files
     seed: int = 0
@@ -371,13 +371,14 @@ def build(cfg: TrainConfig, stages: tuple[str, ...] = STAGES) -> dict:
                   str(dflash_dir / "model.safetensors"), metadata={"format": "pt"})
         (dflash_dir / "config.json").write_text(json.dumps(dcfg, indent=2) + "\n")
         info["dflash_parameters"] = sum(p.numel() for p in drafter.parameters())
-    info.setdefault("config", {k: (str(v) if isinstance(v, Path) else v)
-                               for k, v in dataclasses.asdict(cfg).items()})
     info["target_parameters"] = sum(p.numel() for p in target.parameters())
-    info["device"] = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    info["torch"] = torch.__version__
-    info.setdefault("seconds", {})[",".join(stages)] = round(time.time() - started, 1)
-    info.setdefault("steps", {}).update({s: c.steps_run for s, c in StageClock.runs.items()})
+    info.setdefault("runs", []).append({
+        "stages": list(stages), "seconds": round(time.time() - started, 1),
+        "steps": {s: c.steps_run for s, c in StageClock.runs.items()},
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": {k: (str(v) if isinstance(v, Path) else v)
+                   for k, v in dataclasses.asdict(cfg).items()}})
     log_path.write_text(json.dumps(info, indent=2) + "\n")
     return info
 

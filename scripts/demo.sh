@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Sets up everything, builds a tiny Qwen3.5 checkpoint if none exists, and generates from it.
+# Sets up everything, then generates with the bundled demo model (MTP speculation), on CPU
+# when there is no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-model=${METRALE_DEMO_MODEL:-.cache/demo-qwen3_5}
-[ -f "$model/config.json" ] || python tests/checkpoints.py "$model" --arch qwen3_5
-exec metrale generate --model "$model" --prompt "def fibonacci(n):" --prompt "Hello" \
-  --max-tokens 32 --temperature 0.8 --seed 0 "$@"
+exec metrale generate --prompt $'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n' \
+  --max-tokens 64 --speculative-method mtp --dtype float32 "$@"

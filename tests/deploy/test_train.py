@@ -30,7 +30,7 @@ def test_training_writes_loadable_checkpoints(trained):
     assert set(json.loads((dflash / "config.json").read_text())["dflash_config"]) == {
         "mask_token_id", "target_layer_ids"}
     log = json.loads((trained / "training.json").read_text())
-    assert log["steps"] == {"target": 3, "mtp": 2, "dflash": 2}
+    assert log["runs"][-1]["steps"] == {"target": 3, "mtp": 2, "dflash": 2}
     manifest = json.loads((target / "heldout.json").read_text())
     assert manifest["heldout"], "the smoke configuration holds out some files"
 
@@ -58,3 +58,32 @@ def test_training_is_deterministic(trained, tmp_path):
     for name in ("target/tokenizer.json", "target/model.safetensors",
                  "target/model-mtp.safetensors", "dflash/model.safetensors"):
         assert (tmp_path / name).read_bytes() == (trained / name).read_bytes(), name
+
+
+def test_evaluation_reports_perplexity_acceptance_and_speed(trained):
+    from metrale.deploy.evaluate import evaluate, format_table
+    result = evaluate(trained / "target", trained / "dflash", num_prompts=2, prompt_tokens=16,
+                      new_tokens=8, ks=(1, 2), ppl_tokens=500, speed_prompts=1)
+    assert result["files"]["found"] > 0 and result["perplexity"] > 1
+    methods = {(r["method"], r["k"]) for r in result["acceptance"]}
+    assert {("mtp", 1), ("mtp", 2), ("dflash", 1), ("dflash", 3), ("ngram", 3)} <= methods
+    for row in result["acceptance"]:
+        for t in ("T0", "T1"):
+            if row["method"] in ("mtp", "dflash"):   # n-gram may find no match in 8 tokens
+                assert row[t]["rounds"] > 0
+            assert row[t]["mean_acceptance_length"] <= row["k"] + 1
+    assert set(result["speed_batch1_T0"]["ratios"]) == {"mtp", "dflash"}
+    assert "perplexity on" in format_table(result)
+
+
+def test_generate_defaults_to_the_bundled_model():
+    from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL, bundled_paths
+    assert (BUNDLED_MODEL / "config.json").is_file() and (BUNDLED_DFLASH / "config.json").is_file()
+    assert bundled_paths(None, None, "dflash") == (str(BUNDLED_MODEL), str(BUNDLED_DFLASH))
+    assert bundled_paths(None, None, "mtp") == (str(BUNDLED_MODEL), None)
+    r = subprocess.run([sys.executable, "-m", "metrale.deploy.cli", "generate", "--prompt",
+                        "def add(a, b):", "--max-tokens", "16", "--speculative-method", "dflash",
+                        "--json", "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["usage"]["completion_tokens"] == 16 and out["spec"]["rounds"] > 0

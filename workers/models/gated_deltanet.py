@@ -29,10 +29,10 @@ def gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     states = [] if keep_states else None
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]                    # S <- exp(g_t) S
-        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])            # S^T k_t
+        kv_mem = (k[:, t].unsqueeze(-2) @ state).squeeze(-2)             # S^T k_t
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]                  # u_t
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]        # S <- S + k_t u_t^T
-        out[:, t] = torch.einsum("bhkv,bhk->bhv", state, q[:, t])         # o_t = S^T q_t
+        out[:, t] = (q[:, t].unsqueeze(-2) @ state).squeeze(-2)          # o_t = S^T q_t
         if keep_states:
             states.append(state)
     return out, state, (torch.stack(states, dim=1) if keep_states else None)
@@ -84,8 +84,9 @@ class GatedDeltaNet(nn.Module):
             pool.verify_conv[layer, entries] = per_row.permute(0, 2, 1, 3)
         else:
             pool.conv[layer, slots] = window[..., -(self.kernel - 1):]
-        weight = self.conv1d.weight
-        conv = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0]))
+        # depthwise causal conv: out[t] = sum_i w[:, i] * window[:, t + i]
+        taps = window.to(self.conv1d.weight.dtype).unfold(-1, self.kernel, 1)   # [B, C, L, K]
+        conv = F.silu((taps * self.conv1d.weight[:, 0][None, :, None, :]).sum(-1))
         q, k, v = torch.split(conv.transpose(1, 2).to(mixed.dtype),
                               [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)

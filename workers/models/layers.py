@@ -99,6 +99,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
 
 
 def _attend_rows(q, k, v, batch, scale):
+    if batch.uniform_length is not None:   # equal sequences (training batches): one call
+        n, length = len(batch.seqs), batch.uniform_length
+        q, k, v = (t.view(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=True).transpose(1, 2)
+        return out.reshape(n * length, *out.shape[-2:])
     out = []
     for s in batch.seqs:
         assert s.context_len == 0, "attention without a cache needs whole sequences"
