@@ -11,6 +11,23 @@ class RequestError(ValueError):
     """A request the engine refuses; the message names the offending field."""
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (structured output); plain data, so it crosses process
+    boundaries. Workers compile it with xgrammar against the checkpoint's tokenizer."""
+    kind: str            # json_object | json_schema | regex | ebnf
+    value: str = ""      # the schema (JSON text), the regular expression or the EBNF grammar
+    strict: bool = True  # json_schema: reject properties the schema does not list
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise RequestError(f"response_format type {self.kind!r} is not one of "
+                               f"{', '.join(GRAMMAR_KINDS)}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -24,7 +41,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top alternatives to return per token
-    constraint: TokenConstraint | None = field(default=None, compare=False)  # grammar mask
+    grammar: GrammarSpec | None = None      # structured output (compiled by xgrammar)
+    constraint: TokenConstraint | None = field(default=None, compare=False)  # an in-process mask
 
     def __post_init__(self):
         if isinstance(self.stop, str):

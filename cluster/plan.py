@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from metrale.cluster.params import GrammarSpec
 from metrale.workers.sampler import SamplingSpec, TokenConstraint
 
 
@@ -18,6 +19,7 @@ class SeqWork:
     prompt_len: int = 0
     num_drafts: int = 0        # drafts to propose and verify after the pending token
     next_token: int | None = None  # the token after a prefill chunk that does not sample
+    grammar: GrammarSpec | None = None
     constraint: TokenConstraint | None = None
 
 

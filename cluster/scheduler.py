@@ -15,6 +15,7 @@ from metrale.cluster.detokenizer import IncrementalDetokenizer
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.plan import SeqWork, StepPlan, StepResult, WorkerCapacity
 from metrale.cluster.sequence import Sequence, Status, TokenLogprob
+from metrale.drafting.grammar import grammar_compiler
 from metrale.drafting.stats import SpecStats
 from metrale.workers.sampler import SamplingSpec
 
@@ -49,6 +50,7 @@ class Scheduler:
         self.by_request: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self._grammar_compiler = None
         self.stats = SpecStats()
 
     # -- requests ---------------------------------------------------------------------------
@@ -67,6 +69,8 @@ class Scheduler:
         if bad:
             raise RequestError(f"prompt token ids {bad[:3]} are outside the vocabulary "
                                f"(size {self.capacity.vocab_size})")
+        if params.grammar is not None:
+            self._grammars().compile(params.grammar)   # an invalid schema fails here, alone
         base_seed = params.seed if params.seed is not None else random.getrandbits(62)
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), params,
                          base_seed + i, IncrementalDetokenizer(self.tokenizer))
@@ -161,6 +165,12 @@ class Scheduler:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _grammars(self):
+        if self._grammar_compiler is None:
+            self._grammar_compiler = grammar_compiler(self.tokenizer, self.capacity.vocab_size,
+                                                      self.capacity.eos_token_ids)
+        return self._grammar_compiler
+
     def _work(self, seq: Sequence, n: int, k: int) -> SeqWork:
         start = seq.num_computed
         samples = start + n == seq.num_tokens
@@ -171,7 +181,7 @@ class Scheduler:
         return SeqWork(seq.seq_id, tokens[start:start + n], start, list(seq.block_table),
                        seq.slot, spec, prompt_len=len(seq.prompt_ids), num_drafts=k,
                        next_token=None if samples else tokens[start + n],
-                       constraint=p.constraint)
+                       grammar=p.grammar, constraint=p.constraint)
 
     def _drafts_for(self, seq: Sequence, room: int) -> int:
         """Drafts for a sequence's next round: never more than its slot's verify capacity, the

@@ -163,6 +163,35 @@ def cmd_serve(args) -> int:
         return 2
 
 
+def _k8s_parser(sub) -> None:
+    p = sub.add_parser("k8s", help="KubeRay manifests")
+    k8s = p.add_subparsers(dest="k8s_command", required=True)
+    v = k8s.add_parser("validate", help="check manifests against the KubeRay CRDs, strictly, and "
+                       "their Serve configs against metrale's config")
+    v.add_argument("--crds", default="../shared/k8s-crds",
+                   help="a CRD YAML file or a folder of them, e.g. written by `kubectl get crd "
+                   "rayservices.ray.io rayjobs.ray.io -o yaml` (default: %(default)s)")
+    v.add_argument("paths", nargs="+", metavar="PATH",
+                   help="a manifest file, a kustomization folder (rendered), a folder of those, "
+                   "or - for stdin")
+
+
+def cmd_k8s(args) -> int:
+    from metrale.deploy.k8s import CRDs, ManifestError, validate_paths
+    try:
+        crds = CRDs.load(args.crds)
+    except (ManifestError, OSError) as e:
+        print(f"metrale k8s validate: {e}; pass --crds with the CRDs of the KubeRay you run "
+              "(kubectl get crd rayservices.ray.io rayjobs.ray.io -o yaml > crds.yaml)",
+              file=sys.stderr)
+        return 2
+    resources, problems = validate_paths(args.paths, crds)
+    for problem in problems:
+        print(problem)
+    print(f"{len(resources)} document(s), {len(problems)} problem(s)")
+    return 1 if problems or not resources else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="metrale", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -171,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     _eval_parser(sub)
     _serve_parser(sub)
+    _k8s_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return {"generate": cmd_generate, "train": cmd_train, "eval": cmd_eval,
-            "serve": cmd_serve}[args.command](args)
+            "serve": cmd_serve, "k8s": cmd_k8s}[args.command](args)
 
 
 if __name__ == "__main__":

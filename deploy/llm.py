@@ -10,16 +10,16 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from metrale.cluster.engine import drafts_per_round
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
 from metrale.cluster.sequence import Sequence, TokenLogprob
 from metrale.drafting.stats import SpecStats
 from metrale.workers.models import CheckpointError
+from metrale.workers.models.loader import load_tokenizer
 from metrale.workers.worker import Worker, WorkerConfig
 
 log = logging.getLogger(__name__)
-
-DEFAULT_DRAFTS = 3   # drafts per round when a proposer is set and num_drafts is not
 
 
 @dataclass
@@ -81,18 +81,6 @@ def read_chat_template(model_dir: str | Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    if not Path(model_dir).is_dir():
-        raise CheckpointError(f"{model_dir}: no such model directory")
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (metrale reads the tokenizer from tokenizer.json)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for malformed files
-        raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from e
-
-
 class LLM:
     """`LLM(model_dir).generate(prompts, params)` runs requests to completion in this process."""
 
@@ -112,11 +100,9 @@ class LLM:
             str(model), device, dtype, block_size, kv_cache_bytes, max_num_seqs,
             speculative_method, str(drafter) if drafter else None, **worker_options))
         capacity = self.worker.capacity
-        if num_drafts is None:
-            num_drafts = (capacity.fixed_drafts or DEFAULT_DRAFTS) if capacity.has_proposer else 0
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching,
-                            num_drafts), capacity, self.tokenizer)
+                            drafts_per_round(num_drafts, capacity)), capacity, self.tokenizer)
         self._ids = itertools.count()
 
     def encode(self, prompt: str) -> list[int]:

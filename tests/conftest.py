@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -67,6 +69,25 @@ def dflash_drafter(checkpoint, tmp_path_factory):
                 tmp_path_factory.mktemp(f"dflash-{name}"), checkpoint(name), block_size=block_size)
         return built[key]
     return get
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the session (8 logical CPUs, so several CPU workers fit on a small
+    machine), exporting Prometheus metrics every second on the port it yields."""
+    import ray
+    metrics_port = free_port()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="metrale",
+             log_to_driver=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
+    yield metrics_port
+    ray.shutdown()
 
 
 @pytest.fixture

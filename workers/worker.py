@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 
 from metrale.cluster.plan import SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs, WorkerCapacity
+from metrale.drafting.grammar import grammar_compiler
 from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
 from metrale.drafting.rejection import verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import load_model
+from metrale.workers.models.loader import load_tokenizer
 from metrale.workers.sampler import generator_for, logprobs_of, target_probs
 from metrale.workers.ssm_pool import SSMSlotPool, verify_capacities
 
@@ -77,6 +79,8 @@ class Worker:
             propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
             prefix_sharing=not (p and p.keeps_row_state))
         self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
+        self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
+        self._grammar_compiler = None
         self.prompt_len = [0] * slots
         self.stats = SpecStats()
         log.info("worker on %s: %s", self.device, self.memory_report())
@@ -163,6 +167,19 @@ class Worker:
                 self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
             self.history[w.slot].extend(w.tokens)
 
+    def _constraint(self, w: SeqWork):
+        """The mask source of a sequence: its in-process constraint, or its compiled grammar."""
+        if w.constraint is not None or w.grammar is None:
+            return w.constraint
+        held = self.grammars[w.slot]
+        if w.context_len == 0 or held is None or held[0] != w.grammar:
+            if self._grammar_compiler is None:
+                cfg = self.model.config
+                self._grammar_compiler = grammar_compiler(load_tokenizer(self.config.model),
+                                                          cfg.vocab_size, cfg.eos_token_ids)
+            held = self.grammars[w.slot] = (w.grammar, self._grammar_compiler.constraint(w.grammar))
+        return held[1]
+
     def _generated(self, w: SeqWork) -> list[int]:
         return self.history[w.slot][self.prompt_len[w.slot]:]
 
@@ -173,9 +190,9 @@ class Worker:
             return {}
         requests = []
         for w in spec:
-            allowed = None
-            if w.constraint is not None:
-                generated, constraint = self._generated(w), w.constraint
+            allowed, constraint = None, self._constraint(w)
+            if constraint is not None:
+                generated = self._generated(w)
                 allowed = lambda drafts, g=generated, c=constraint: c.allowed(g + drafts)  # noqa: E731
             requests.append(ProposeRequest(w.slot, w.context_len, w.tokens[-1], w.num_drafts,
                                            w.block_table, self.history[w.slot], allowed))
@@ -185,9 +202,10 @@ class Worker:
     def _accept(self, w: SeqWork, drafts: list[int], hidden: torch.Tensor) -> SeqOutcome:
         """hidden: the rows of the pending token and each draft. Applies the rejection sampler."""
         logits = self.model.logits(hidden)                     # [k+1, vocab]
-        if w.constraint is not None:
+        constraint = self._constraint(w)
+        if constraint is not None:
             generated = self._generated(w)
-            masks = torch.stack([w.constraint.allowed(generated + drafts[:i])
+            masks = torch.stack([constraint.allowed(generated + drafts[:i])
                                  for i in range(len(drafts) + 1)]).to(logits.device)
             restricted = logits.masked_fill(~masks, float("-inf"))
         else:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
 
 from metrale.workers.models.config import CheckpointError, ModelConfig
 from metrale.workers.models.decoder import CausalLM
@@ -85,3 +86,15 @@ def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = type(model.model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
     return model.eval(), mtp
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(f"{model_dir}: no such model directory")
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (metrale reads the tokenizer from tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from e

@@ -1,0 +1,100 @@
+"""A scheduler actor as its consumers (ingress, batch driver) see it: requests in, deltas out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from metrale.cluster.actor import Replica
+from metrale.cluster.params import RequestError, SamplingParams
+from metrale.cluster.stream import Delta
+from metrale.cluster.wire import pack, unpack
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaClient:
+    """One long poll per replica carries every request's deltas; each request has a queue."""
+
+    def __init__(self, replica: Replica):
+        self.replica = replica
+        self.consumer = uuid.uuid4().hex
+        self.queues: dict[str, asyncio.Queue[Delta]] = {}
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this consumer has on the replica: the queue length the router balances."""
+        return len(self.queues)
+
+    async def submit(self, request_id: str, prompt_ids: list[int],
+                     params: SamplingParams) -> "RequestStream":
+        """Queues the request (RequestError if the replica refuses it); returns its deltas."""
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.queues[request_id] = queue
+        try:
+            error = await self.replica.handle.submit.remote(self.consumer, request_id, prompt_ids,
+                                                            pack(params))
+        except BaseException:   # e.g. the HTTP client left while the request was being queued
+            del self.queues[request_id]
+            self.replica.handle.abort.remote(request_id)
+            raise
+        if error is not None:
+            del self.queues[request_id]
+            raise RequestError(error)
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll())
+        return RequestStream(self, request_id, queue, params.n)
+
+    async def state(self) -> dict:
+        return await self.replica.handle.state.remote()
+
+    async def _poll(self) -> None:
+        while self.queues:
+            try:
+                data = await self.replica.handle.poll.remote(self.consumer)
+            except Exception as e:  # the replica died: its requests end with the error
+                log.error("replica %s failed: %s", self.replica.name, e)
+                for request_id, queue in list(self.queues.items()):
+                    queue.put_nowait(Delta(request_id, 0, finish_reason="error",
+                                           error=f"replica {self.replica.name} failed"))
+                return
+            for delta in unpack(list[Delta], data):
+                queue = self.queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+
+
+class RequestStream:
+    """One request's deltas, until each of its n completions has finished. Closing it earlier, or
+    cancelling a read (a client that went away), aborts the request on the replica."""
+
+    def __init__(self, client: ReplicaClient, request_id: str, queue: asyncio.Queue[Delta], n: int):
+        self.client, self.request_id, self.queue, self.open = client, request_id, queue, n
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        if not self.open:
+            raise StopAsyncIteration
+        try:
+            delta = await self.queue.get()
+        except BaseException:
+            self.close()
+            raise
+        # an error ends the whole request (its worker or replica failed)
+        self.open = 0 if delta.error else self.open - (delta.finish_reason is not None)
+        if not self.open:
+            self.client.queues.pop(self.request_id, None)
+        return delta
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.open:
+            self.open = 0
+            self.client.queues.pop(self.request_id, None)
+            self.client.replica.handle.abort.remote(self.request_id)

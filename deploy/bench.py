@@ -1,0 +1,127 @@
+"""The serving-overhead benchmark: completion tokens/s through the HTTP endpoint against the
+in-process engine on the same model, at each concurrency, and their ratio."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+import httpx
+import ray
+import torch
+from ray import serve
+
+from metrale.cluster.params import SamplingParams
+from metrale.deploy.config import MetraleConfig
+from metrale.deploy.llm import LLM
+from metrale.deploy.serve import APP_NAME, build_app
+from metrale.workers.actor import NAMESPACE
+
+PROMPT_WORDS = ["alpha", "engine", "serves", "tokens", "before", "blocks", "are", "ready"]
+
+
+def prompts(count: int, words: int) -> list[str]:
+    """Distinct prompts of about `words` words, so no two requests share a cached prefix."""
+    return [" ".join([str(i)] + [PROMPT_WORDS[(i + j) % len(PROMPT_WORDS)] for j in range(words)])
+            for i in range(count)]
+
+
+def in_process(llm: LLM, texts: list[str], concurrency: int, max_tokens: int) -> float:
+    """Tokens/s with `concurrency` requests in the engine at a time (batches of that size)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(texts), concurrency):
+        tokens += sum(o.usage["completion_tokens"]
+                      for o in llm.generate(texts[i:i + concurrency], params))
+    return tokens / (time.perf_counter() - start)
+
+
+async def over_http(url: str, model: str, texts: list[str], concurrency: int, max_tokens: int,
+                    stream: bool) -> float:
+    """Tokens/s with `concurrency` clients, each sending its next request when one finishes."""
+    pending = list(texts)
+    tokens = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while pending:
+            body = {"model": model, "prompt": pending.pop(), "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": stream}
+            if stream:
+                async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+                tokens += max_tokens   # ignore_eos: every request runs to max_tokens
+            else:
+                r = await http.post(f"{url}/v1/completions", json=body)
+                tokens += r.json()["usage"]["completion_tokens"]
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        return tokens / (time.perf_counter() - start)
+
+
+def wait_healthy(url: str) -> None:
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m metrale.deploy.bench", description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--rounds", type=int, default=4,
+                   help="requests per client: a measurement at concurrency c sends rounds * c")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=24)
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--stream", action="store_true", help="stream the HTTP responses (SSE)")
+    p.add_argument("--repeat", type=int, default=2,
+                   help="runs of each measurement; the best counts (a shared machine is noisy)")
+    p.add_argument("--cpus", type=int, default=max(1, os.cpu_count() - 1),
+                   help="torch threads of the worker in both runs (default: all cores but one, "
+                        "which the serving processes need)")
+    args = p.parse_args(argv)
+    texts = {c: prompts(args.rounds * c, args.prompt_words) for c in args.concurrency}
+    warmup = prompts(4, args.prompt_words)
+
+    torch.set_num_threads(args.cpus)   # as many threads as the Ray worker gets
+    llm = LLM(args.model, device="cpu")
+    in_process(llm, warmup, 4, 8)
+    local = {c: max(in_process(llm, texts[c], c, args.max_tokens) for _ in range(args.repeat))
+             for c in args.concurrency}
+    del llm
+
+    config = MetraleConfig(model=args.model, device="cpu", cpus_per_worker=args.cpus,
+                           port=args.port)
+    ray.init(namespace=NAMESPACE, num_cpus=max(args.cpus, os.cpu_count()), log_to_driver=False,
+             include_dashboard=False)
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+    url = f"http://{config.host}:{config.port}"
+    wait_healthy(url)
+    asyncio.run(over_http(url, config.model_name, warmup, 4, 8, args.stream))
+    http = {c: max(asyncio.run(over_http(url, config.model_name, texts[c], c, args.max_tokens,
+                                         args.stream)) for _ in range(args.repeat))
+            for c in args.concurrency}
+    serve.shutdown()
+    ray.shutdown()
+
+    print(f"model {args.model}; {args.rounds} requests per client of {args.max_tokens} tokens, "
+          f"greedy; HTTP {'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
+          f"thread(s)")
+    print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}")
+    for c in args.concurrency:
+        print(f"{c:>11} {local[c]:>17.1f} {http[c]:>11.1f} {http[c] / local[c]:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The deployment's one configuration, validated by pydantic: from YAML, `metrale serve` flags,
+a Serve config file's `args`, or Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from metrale.cluster.actor import ReplicaSpec
+from metrale.deploy.bundled import BUNDLED_MODEL, bundled_paths
+from metrale.cluster.scheduler import SchedulerConfig
+from metrale.workers.worker import WorkerConfig
+
+# The checkpoint served when none is given: the bundled demo model.
+DEFAULT_MODEL: str | None = str(BUNDLED_MODEL)
+
+SpeculativeMethod = Literal["none", "mtp", "dflash", "ngram", "self"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the file or field."""
+
+
+class MetraleConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # -- the model and its drafter
+    model: str | None = Field(DEFAULT_MODEL, description="Hugging Face checkpoint directory of the "
+                              "target model (config.json, safetensors weights, tokenizer.json).")
+    served_model_name: str | None = Field(None, description="The name clients pass as `model`; "
+                                          "default: the checkpoint directory's name.")
+    speculative_method: SpeculativeMethod = Field(
+        "none", description="Proposer: mtp (the checkpoint's MTP layer), dflash (needs drafter), "
+        "ngram (prompt lookup), self (layer skip), none.")
+    drafter: str | None = Field(None, description="DFlash drafter directory (z-lab layout); "
+                                "with the bundled model, its bundled drafter by default.")
+    num_drafts: int | None = Field(None, ge=0, description="Drafts per speculative round; the "
+                                   "scheduler clamps it to each slot's verify capacity. Default: "
+                                   "the DFlash block size - 1, else 3.")
+    verify_pool_bytes: int | None = Field(None, ge=0, description="Verify-pool budget per worker "
+                                          "(hybrid models); default: every slot gets num_drafts + "
+                                          "1 entries.")
+    mtp_confidence_threshold: float | None = Field(None, gt=0, le=1, description="End an MTP draft "
+                                                   "chain when the drafter's top-1 probability "
+                                                   "falls below this.")
+    self_spec_layers: int | None = Field(None, ge=1, description="Layers that draft for `self` "
+                                         "speculation; default: half of the model's.")
+    dflash_window: int = Field(2048, ge=1, description="Context rows a DFlash drafter keeps per "
+                               "sequence (a sliding window).")
+    ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram lookup matches.")
+    ngram_max: int = Field(4, ge=1, description="Longest suffix n-gram lookup matches.")
+
+    # -- the engine on each worker
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "
+                                                   "the worker's GPU when it has one.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype; auto takes the checkpoint's.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    kv_cache_bytes: int = Field(256 << 20, ge=1, description="KV-cache budget per worker, bytes.")
+    max_num_seqs: int = Field(64, ge=1, description="Running sequences (and SSM slots) per worker.")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Rows per step per worker: decode "
+                                        "tokens, drafts and prefill chunks.")
+    max_model_len: int | None = Field(None, ge=2, description="Context length (prompt + output); "
+                                      "default: the model's, capped by the KV cache.")
+    prefix_caching: bool = Field(True, description="Share KV blocks of common prompt prefixes "
+                                 "(models without linear-attention layers or per-row drafters).")
+
+    # -- the cluster
+    replicas: int = Field(1, ge=1, description="Model replicas (data parallel); each has its own "
+                          "scheduler actor and placement group.")
+    workers_per_replica: int = Field(1, ge=1, description="Worker actors per replica, one per GPU; "
+                                     "each holds a full copy of the model and its own KV cache.")
+    gpus_per_worker: float | None = Field(None, ge=0, description="GPUs each worker takes "
+                                          "(fractions share one); default: 1 when the cluster has "
+                                          "GPUs, else 0 (CPU workers).")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs each worker reserves; a CPU worker "
+                                   "runs this many torch threads (at least one).")
+    name: str = Field("serve", pattern=r"^[a-z][a-z0-9]*$", description="Label of this "
+                      "deployment's actors: replica i is `<name><i>`, its workers "
+                      "`metrale-worker-<name><i>-<rank>` in the Ray namespace `metrale`.")
+
+    # -- the HTTP endpoint
+    host: str = Field("127.0.0.1", description="Address `metrale serve` listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port `metrale serve` listens on.")
+    max_pending_requests: int = Field(256, ge=1, description="Requests one replica may hold "
+                                      "(running and queued) before the endpoint answers 429.")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "MetraleConfig":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read ({e.strerror})") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({e})") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        return cls.validated(data, source=str(path))
+
+    @classmethod
+    def validated(cls, data: dict, source: str = "config") -> "MetraleConfig":
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}"
+                                 for err in e.errors())
+            raise ConfigError(f"{source}: {problems}") from None
+
+    def with_overrides(self, **values) -> "MetraleConfig":
+        """This config with the given settings replaced (None leaves a setting as it is)."""
+        changes = {k: v for k, v in values.items() if v is not None}
+        return self.validated({**self.model_dump(exclude_unset=True), **changes}, "flags")
+
+    # -- derived settings
+
+    @property
+    def model_path(self) -> str:
+        if self.model is None:
+            raise ConfigError("no model to serve: pass --model DIR (or set `model:` in the config "
+                              "file)")
+        return self.model
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    def worker_config(self, device: str | None = None) -> WorkerConfig:
+        extra = {} if self.num_drafts is None else {"max_drafts": max(self.num_drafts, 1)}
+        return WorkerConfig(
+            self.model_path, device or self.device, self.dtype, self.block_size,
+            self.kv_cache_bytes, self.max_num_seqs, self.speculative_method,
+            bundled_paths(self.model_path, self.drafter, self.speculative_method)[1],
+            verify_pool_bytes=self.verify_pool_bytes,
+            mtp_confidence_threshold=self.mtp_confidence_threshold,
+            self_spec_layers=self.self_spec_layers, dflash_window=self.dflash_window,
+            ngram_min=self.ngram_min, ngram_max=self.ngram_max, **extra)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """Drafts per round are filled in from the workers' proposer (ReplicaEngine.build)."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                               self.prefix_caching)
+
+    def replica_spec(self, cluster_gpus: float) -> ReplicaSpec:
+        gpus = self.gpus_per_worker if self.gpus_per_worker is not None else float(cluster_gpus > 0)
+        # a worker without a GPU must not pick up one it was not given
+        device = "cpu" if gpus == 0 and self.device == "auto" else self.device
+        return ReplicaSpec(self.name, self.worker_config(device), self.scheduler_config(),
+                           self.num_drafts, self.workers_per_replica, gpus, self.cpus_per_worker)

@@ -1,0 +1,169 @@
+"""The replica engine in one process: streamed deltas add up to `generate`'s output, requests go
+to the least-loaded worker, an abort frees its slot and blocks at once, and workers never wait for
+each other."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import PROMPTS
+from metrale.cluster.engine import ReplicaEngine
+from metrale.cluster.executor import LocalExecutor
+from metrale.cluster.params import SamplingParams
+from metrale.cluster.scheduler import SchedulerConfig
+from metrale.deploy.llm import LLM, load_tokenizer
+from metrale.workers.worker import Worker, WorkerConfig
+
+SPEC = dict(speculative_method="mtp", block_size=4, max_num_seqs=8)
+
+
+class GatedExecutor(LocalExecutor):
+    """A real worker whose steps wait until the test opens the gate."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.gate, self.holding = asyncio.Event(), asyncio.Event()
+
+    async def execute(self, plan):
+        self.holding.set()
+        await self.gate.wait()
+        return await super().execute(plan)
+
+
+def workers(model_dir, n: int) -> list[Worker]:
+    return [Worker(WorkerConfig(str(model_dir), "cpu", max_drafts=3, **SPEC)) for _ in range(n)]
+
+
+def engine(model_dir, executors) -> ReplicaEngine:
+    return ReplicaEngine.build(executors, SchedulerConfig(max_num_seqs=8), 3,
+                               load_tokenizer(model_dir))
+
+
+async def collect(eng: ReplicaEngine, request_id: str, ids: list[int], params: SamplingParams):
+    """Per completion: concatenated text, token ids, logprobs, and the last delta."""
+    out: dict[int, dict] = {}
+    async for d in eng.generate(request_id, ids, params):
+        c = out.setdefault(d.index, {"text": "", "ids": [], "logprobs": []})
+        c["text"] += d.text
+        c["ids"] += d.token_ids
+        c["logprobs"] += d.logprobs
+        c["last"] = d
+    return [out[i] for i in sorted(out)]
+
+
+def test_streams_add_up_to_generate(checkpoint):
+    model_dir = checkpoint("qwen3_5")
+    llm = LLM(model_dir, device="cpu", num_drafts=3, **SPEC)
+    prompts = [llm.encode(p) for p in PROMPTS]
+    full = llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0,
+                                                    ignore_eos=True))[0].text
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(full[8:11],)),
+              SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=11, n=2,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, min_p=0.05, seed=5)]
+    expected = llm.generate(prompts, params)
+
+    async def run():
+        eng = engine(model_dir, [LocalExecutor(w) for w in workers(model_dir, 2)])
+        eng.start()
+        outs = await asyncio.gather(*(collect(eng, f"r{i}", ids, p)
+                                      for i, (ids, p) in enumerate(zip(prompts, params))))
+        await eng.stop()
+        return eng, outs
+    eng, outs = asyncio.run(run())
+    assert expected[0].finish_reason == "stop" and expected[0].text == full[:full.find(full[8:11])]
+    for got, want in zip(outs, expected):
+        assert [c["text"] for c in got] == [c.text for c in want.completions]
+        assert [c["ids"] for c in got] == [c.token_ids for c in want.completions]
+        assert [c["last"].finish_reason for c in got] == [c.finish_reason for c in want.completions]
+    assert [(lp.token_id, lp.top) for lp in outs[2][0]["logprobs"]] == \
+        [(lp.token_id, lp.top) for lp in expected[2].completions[0].logprobs]
+    assert all(c["last"].spec.rounds > 0 for got in outs for c in got)
+    assert all(load.steps > 0 and load.running == 0 for load in eng.loads())
+
+
+def test_new_requests_go_to_the_least_loaded_worker(checkpoint):
+    model_dir = checkpoint("qwen3_5")
+    eng = engine(model_dir, [LocalExecutor(w) for w in workers(model_dir, 3)])
+    params = SamplingParams(max_tokens=4, n=2)
+    for i in range(4):   # n=2: each request puts two sequences on its worker
+        eng.add_request(f"r{i}", [5, 6, 7], params, lambda d: None)
+    assert [load.waiting for load in eng.loads()] == [4, 2, 2]
+    eng.add_request("r5", [5, 6, 7], SamplingParams(max_tokens=4), lambda d: None)
+    assert [load.waiting for load in eng.loads()] == [4, 3, 2]
+
+
+def test_abort_frees_slot_and_blocks_while_a_step_runs(checkpoint):
+    model_dir = checkpoint("qwen3_5")
+
+    async def run():
+        gated = GatedExecutor(workers(model_dir, 1)[0])
+        eng = engine(model_dir, [gated])
+        eng.start()
+        received = []
+        eng.add_request("long", [5, 6, 7, 8, 9], SamplingParams(max_tokens=400, ignore_eos=True),
+                        received.append)
+        await gated.holding.wait()            # the first step is on the worker
+        load = eng.loads()[0]
+        assert load.running == 1 and load.free_slots == load.num_slots - 1
+        eng.abort("long")
+        load = eng.loads()[0]
+        assert (load.running, load.waiting) == (0, 0)
+        assert load.free_blocks == load.num_blocks and load.free_slots == load.num_slots
+        gated.gate.set()                       # the step finishes; its tokens go nowhere
+        await asyncio.sleep(0.2)
+        await eng.stop()
+        return received, eng.loads()[0]
+    received, load = asyncio.run(run())
+    assert received == [] and load.steps == 1 and load.free_slots == load.num_slots
+
+
+def test_closing_a_stream_aborts_its_request(checkpoint):
+    model_dir = checkpoint("qwen3_5")
+
+    async def run():
+        eng = engine(model_dir, [LocalExecutor(w) for w in workers(model_dir, 1)])
+        eng.start()
+        stream = eng.generate("r", [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True))
+        got = [await anext(stream) for _ in range(3)]
+        await stream.aclose()
+        load = eng.loads()[0]
+        await eng.stop()
+        return got, load
+    got, load = asyncio.run(run())
+    assert all(d.finish_reason is None for d in got)
+    assert load.running == 0 and load.free_blocks == load.num_blocks
+    assert load.free_slots == load.num_slots
+
+
+def test_a_worker_never_waits_for_another(checkpoint):
+    model_dir = checkpoint("qwen3_5")
+
+    async def run():
+        slow, fast = (GatedExecutor(w) for w in workers(model_dir, 2))
+        fast.gate.set()
+        eng = engine(model_dir, [slow, fast])
+        eng.start()
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        held = asyncio.create_task(collect(eng, "on-slow", [5, 6, 7], params))
+        await slow.holding.wait()
+        done = await asyncio.wait_for(collect(eng, "on-fast", [8, 9], params), 30)
+        assert not held.done() and eng.loads()[0].steps == 0
+        slow.gate.set()
+        first = await held
+        await eng.stop()
+        return first, done
+    first, done = asyncio.run(run())
+    assert len(first[0]["ids"]) == 12 and len(done[0]["ids"]) == 12
+
+
+@pytest.mark.parametrize("method, expected", [("none", 0), ("mtp", 3)])
+def test_drafts_per_round_default(checkpoint, method, expected):
+    model_dir = checkpoint("qwen3_5")
+    worker = Worker(WorkerConfig(str(model_dir), "cpu", speculative_method=method))
+    eng = ReplicaEngine.build([LocalExecutor(worker)], SchedulerConfig(), None,
+                              load_tokenizer(model_dir))
+    assert eng.lanes[0].scheduler.num_drafts == expected

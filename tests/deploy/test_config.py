@@ -1,0 +1,96 @@
+"""The one configuration model: YAML, flags over file, Serve config args, derived worker settings,
+and the errors users see."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import typing
+
+import pytest
+import yaml
+from ray import serve
+
+from metrale.deploy import config as config_module
+from metrale.deploy.config import ConfigError, MetraleConfig
+from metrale.deploy.serve import build_app
+from metrale.drafting.proposer import METHODS
+
+
+def metrale(*args):
+    return subprocess.run([sys.executable, "-m", "metrale.deploy.cli", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_every_field_is_described_and_methods_match_the_registry():
+    fields = MetraleConfig.model_fields
+    assert all(f.description for f in fields.values()), \
+        [name for name, f in fields.items() if not f.description]
+    assert typing.get_args(fields["speculative_method"].annotation) == METHODS
+
+
+def test_yaml_then_flags(tmp_path, checkpoint):
+    path = tmp_path / "metrale.yaml"
+    path.write_text(yaml.safe_dump({"model": str(checkpoint("qwen3")), "replicas": 2,
+                                    "speculative_method": "ngram", "num_drafts": 4, "port": 9000}))
+    config = MetraleConfig.from_yaml(path)
+    assert (config.replicas, config.num_drafts, config.port) == (2, 4, 9000)
+    assert config.host == "127.0.0.1"
+    flags = config.with_overrides(port=9100, replicas=None, speculative_method="self")
+    assert (flags.port, flags.replicas, flags.speculative_method) == (9100, 2, "self")
+    worker = flags.worker_config()
+    assert (worker.model, worker.max_drafts, worker.speculative_method) == \
+        (str(checkpoint("qwen3")), 4, "self")
+
+
+def test_cluster_resources_decide_the_worker_device(checkpoint):
+    config = MetraleConfig(model=str(checkpoint("qwen3")), workers_per_replica=2)
+    on_cpu = config.replica_spec(cluster_gpus=0)
+    assert (on_cpu.gpus_per_worker, on_cpu.worker.device, on_cpu.workers) == (0.0, "cpu", 2)
+    assert on_cpu.bundles() == [{"CPU": 1.0}, {"CPU": 1.0}]
+    on_gpu = config.replica_spec(cluster_gpus=8)
+    assert (on_gpu.gpus_per_worker, on_gpu.worker.device) == (1.0, "auto")
+    assert on_gpu.bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    shared = config.with_overrides(gpus_per_worker=0.5).replica_spec(cluster_gpus=1)
+    assert shared.bundles()[0]["GPU"] == 0.5
+
+
+@pytest.mark.parametrize("content, words", [
+    ("replicas: 0\n", "replicas: Input should be greater than or equal to 1"),
+    ("modle: x\n", "modle: Extra inputs are not permitted"),
+    ("speculative_method: eagle\n", "speculative_method"),
+    ("port: [1\n", "not valid YAML"),
+    ("- model\n", "expected a mapping"),
+])
+def test_bad_files_name_the_file_and_the_field(tmp_path, content, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match="bad.yaml") as e:
+        MetraleConfig.from_yaml(path)
+    assert words in str(e.value)
+
+
+def test_the_bundled_model_is_the_default():
+    from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
+    assert config_module.DEFAULT_MODEL == str(BUNDLED_MODEL) == MetraleConfig().model_path
+    assert MetraleConfig(speculative_method="dflash").worker_config().drafter == str(BUNDLED_DFLASH)
+    assert MetraleConfig(speculative_method="mtp").worker_config().drafter is None
+    with pytest.raises(ConfigError, match="pass --model"):
+        MetraleConfig(model=None).model_path
+
+
+def test_serve_cli_reports_bad_config_and_checkpoint(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas: -1\n")
+    r = metrale("serve", "--config", str(path))
+    assert r.returncode == 2 and "c.yaml: replicas" in r.stderr
+    r = metrale("serve", "--model", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "no such model directory" in r.stderr
+
+
+def test_serve_config_args_build_the_application(checkpoint):
+    """`serve run`/`serve deploy` pass the config file's `args` mapping to the builder."""
+    app = build_app({"model": str(checkpoint("qwen3")), "replicas": 2, "max_pending_requests": 8})
+    assert isinstance(app, serve.Application)
+    with pytest.raises(ConfigError, match="Serve application args: replicas"):
+        build_app({"model": str(checkpoint("qwen3")), "replicas": "many"})
