@@ -83,3 +83,21 @@ def test_invalid_grammars_are_refused_alone(engines, spec, message):
     assert outs[1].error is None and len(outs[1].token_ids) == 4
     with pytest.raises(RequestError, match="not one of json_object"):
         GrammarSpec("yaml")
+
+
+@pytest.mark.parametrize("method", ["dflash", "ngram", "self"])
+def test_every_proposer_keeps_the_schema(checkpoint, dflash_drafter, engines, method):
+    schema, model_dir = SCHEMAS["nested"], checkpoint("qwen3_5")
+    llm = LLM(model_dir, device="cpu", speculative_method=method,
+              drafter=dflash_drafter("qwen3_5") if method == "dflash" else None)
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    for temperature in (0.0, 1.0):
+        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=100, temperature=temperature,
+                                                         seed=9, grammar=spec))
+        for out in outs:
+            jsonschema.validate(json.loads(out.text), schema)
+        if temperature == 0.0:
+            plain = engines["none"].generate(PROMPTS[:2], SamplingParams(
+                max_tokens=100, temperature=0.0, seed=9, grammar=spec))
+            assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.scheduler.stats.drafts_proposed > 0
