@@ -27,10 +27,6 @@ class SeqWork:
 class StepPlan:
     work: list[SeqWork]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(w.tokens) + w.num_drafts for w in self.work)
-
 
 @dataclass
 class TokenLogprobs:
