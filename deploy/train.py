@@ -164,10 +164,7 @@ def train_target(cfg: TrainConfig, tok: Tokenizer, tokens: torch.Tensor, device)
         ids = sample_batch(tokens, cfg, gen, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _optimise(opt, model, loss)
         _report("target", step, cfg.target_steps, loss)
     else:
         clock.steps_run = cfg.target_steps
@@ -231,10 +228,7 @@ def train_mtp(cfg: TrainConfig, target, tap: TargetTap, tokens: torch.Tensor, de
                 h = head(embed, rotary, tok_in, h, batch, None)
                 logits = F.linear(head.norm(h), embed.weight).float()
             loss = loss + F.cross_entropy(logits, greedy[:, 1 + s:1 + s + n].reshape(-1)) / 2 ** s
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _optimise(opt, head, loss)
         _report("mtp", step, cfg.mtp_steps, loss)
     else:
         clock.steps_run = cfg.mtp_steps
@@ -303,10 +297,7 @@ def train_dflash(cfg: TrainConfig, target, tap: TargetTap, tokens: torch.Tensor,
             logits = F.linear(drafter.norm(x[:, 1:]), embed.weight).float()        # [B*nb, g-1, V]
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
         loss = (ce.view(-1, g - 1) * weights).sum(-1).mean() / weights.sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _optimise(opt, drafter, loss)
         _report("dflash", step, cfg.dflash_steps, loss)
     else:
         clock.steps_run = cfg.dflash_steps
@@ -324,6 +315,13 @@ class StageClock:
     def over(self, step: int) -> bool:
         self.steps_run = step
         return self.seconds is not None and time.time() - self.start > self.seconds
+
+
+def _optimise(opt: torch.optim.Optimizer, module: torch.nn.Module, loss: torch.Tensor) -> None:
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _report(stage: str, step: int, steps: int, loss) -> None:

@@ -75,6 +75,14 @@ def build_proposer(method: str, **resources) -> Proposer | None:
     return registry[method](**resources)
 
 
+def in_batches(requests: list[ProposeRequest], width: int, propose_batch) -> list[Proposal]:
+    """`propose_batch` over consecutive groups of at most `width` requests, results in order."""
+    out: list[Proposal] = []
+    for i in range(0, len(requests), width):
+        out.extend(propose_batch(requests[i:i + width]))
+    return out
+
+
 def masked_argmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> tuple[int, float]:
     """The best allowed token of one row of logits and its log-probability under the mask."""
     if allowed is not None:

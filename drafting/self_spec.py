@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
-                                       masked_argmax)
+                                       in_batches, masked_argmax)
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models.decoder import CausalLM
@@ -36,10 +36,7 @@ class SelfSpecProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        out = []
-        for i in range(0, len(requests), self.max_batch):
-            out.extend(self._propose_batch(requests[i:i + self.max_batch]))
-        return out
+        return in_batches(requests, self.max_batch, self._propose_batch)
 
     def _propose_batch(self, requests: list[ProposeRequest]) -> list[Proposal]:
         # The draft pass advances a copy of the linear-attention state; its K/V rows land where
