@@ -138,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        config = MetraleConfig.from_yaml(args.config) if args.config else MetraleConfig()
-        config = config.with_overrides(
-            model=args.model, speculative_method=args.speculative_method,
+        config = MetraleConfig.load(
+            args.config, model=args.model, speculative_method=args.speculative_method,
             num_drafts=args.num_drafts, drafter=args.drafter, replicas=args.replicas,
             workers_per_replica=args.workers_per_replica, name=args.name)
         load_tokenizer(config.model_path)

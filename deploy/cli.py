@@ -152,9 +152,8 @@ def cmd_serve(args) -> int:
     from metrale.deploy.config import ConfigError, MetraleConfig
     from metrale.deploy.serve import run_server
     try:
-        config = MetraleConfig.from_yaml(args.config) if args.config else MetraleConfig()
-        config = config.with_overrides(
-            model=args.model, speculative_method=args.speculative_method,
+        config = MetraleConfig.load(
+            args.config, model=args.model, speculative_method=args.speculative_method,
             num_drafts=args.num_drafts, drafter=args.drafter, replicas=args.replicas,
             host=args.host, port=args.port)
         return run_server(config)

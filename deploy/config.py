@@ -110,6 +110,11 @@ class MetraleConfig(BaseModel):
                                  for err in e.errors())
             raise ConfigError(f"{source}: {problems}") from None
 
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides) -> "MetraleConfig":
+        """The config file at `path` (defaults without one) with command-line flags on top."""
+        return (cls.from_yaml(path) if path else cls()).with_overrides(**overrides)
+
     def with_overrides(self, **values) -> "MetraleConfig":
         """This config with the given settings replaced (None leaves a setting as it is)."""
         changes = {k: v for k, v in values.items() if v is not None}

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenizers import Tokenizer
 
 from metrale.cluster.engine import drafts_per_round
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
 from metrale.cluster.sequence import Sequence, TokenLogprob
 from metrale.drafting.stats import SpecStats
-from metrale.workers.models import CheckpointError
+from metrale.workers.models.config import read_json
 from metrale.workers.models.loader import load_tokenizer
 from metrale.workers.worker import Worker, WorkerConfig
 
@@ -74,10 +72,7 @@ def read_chat_template(model_dir: str | Path) -> str | None:
     path = model_dir / "tokenizer_config.json"
     if not path.is_file():
         return None
-    try:
-        template = json.loads(path.read_text()).get("chat_template")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    template = read_json(path, "the tokenizer").get("chat_template")
     return template if isinstance(template, str) else None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -11,7 +10,7 @@ from torch import nn
 
 from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
                                        masked_argmax)
-from metrale.workers.models.config import CheckpointError
+from metrale.workers.models.config import read_json
 from metrale.workers.models.decoder import CausalLM
 from metrale.workers.models.layers import MLP, RMSNorm, Rotary
 from metrale.workers.models.loader import read_tensors
@@ -73,12 +72,7 @@ class DFlashDrafter(nn.Module):
 
 def read_dflash_config(drafter_dir: Path, target: CausalLM) -> dict:
     path = drafter_dir / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (a DFlash drafter directory needs config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    cfg = read_json(path, "a DFlash drafter directory")
     tc, dflash = target.config, cfg.get("dflash_config") or {}
     for key in ("block_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size"):

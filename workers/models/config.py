@@ -24,6 +24,16 @@ class CheckpointError(ValueError):
     """A checkpoint directory that metrale cannot load; the message names the file or field."""
 
 
+def read_json(path: Path, needed_by: str) -> dict:
+    """A checkpoint's JSON file; CheckpointError naming the file when it is missing or corrupt."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing ({needed_by} needs {path.name})")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str                      # "qwen3" or "qwen3_5"
@@ -84,13 +94,7 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: str = "auto") -> "ModelConfig":
         path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (a Hugging Face checkpoint needs config.json)")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(raw, dtype, source=str(path))
+        return cls.from_dict(read_json(path, "a Hugging Face checkpoint"), dtype, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, dtype: str = "auto", source: str = "config.json") -> "ModelConfig":
