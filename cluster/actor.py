@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,12 +14,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tokenizers import Tokenizer
 
-from metrale.cluster.engine import ReplicaEngine
+from metrale.cluster.engine import Overloaded, ReplicaEngine, Unavailable
 from metrale.cluster.metrics import ReplicaMetrics
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.scheduler import SchedulerConfig
 from metrale.cluster.stream import Delta
-from metrale.cluster.wire import pack, unpack
+from metrale.cluster.wire import WireError, pack, unpack
 from metrale.workers.actor import NAMESPACE, ActorExecutor, start_worker
 from metrale.workers.worker import WorkerConfig
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 1.0      # a long poll returns empty after this, so a consumer notices shutdown
 METRICS_INTERVAL_S = 1.0
 PLACEMENT_NOTE_S = 30.0
+CONSUMER_TIMEOUT_S = 30.0  # a consumer that has not polled for this long is gone: abort its requests
+NAME_WAIT_S = 30.0        # a restarted scheduler waits this long for its old workers' names
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class ReplicaSpec:
     workers: int = 1
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
+    max_pending: int | None = None    # requests the replica holds before refusing (overloaded)
+    worker_restarts: int = -1         # times Ray restarts a dead worker (-1: always)
+    restart_timeout_s: float = 600.0  # how long requests wait for a restarting worker
 
     def bundles(self) -> list[dict[str, float]]:
         bundle = {"CPU": self.cpus_per_worker, "GPU": self.gpus_per_worker}
@@ -55,60 +61,109 @@ class Replica:
 
 class SchedulerActor:
     """A ReplicaEngine over this replica's worker actors. Consumers (the HTTP ingress, the batch
-    driver) submit requests and long-poll their deltas: one call carries a step's worth for all."""
+    driver) submit requests and long-poll their deltas: one call carries a step's worth for all.
+    Everything a client sent arrives msgpack-encoded. The replica starts on its first call, so an
+    actor that Ray restarted after a crash starts afresh (new workers, no requests)."""
 
     def __init__(self, spec: ReplicaSpec, replica: str, pg: PlacementGroup):
-        self.spec, self.replica = spec, replica
-        self.handles = [start_worker(spec.worker, replica, rank, num_gpus=spec.gpus_per_worker,
-                                     num_cpus=spec.cpus_per_worker,
-                                     placement=PlacementGroupSchedulingStrategy(pg, rank))
-                        for rank in range(spec.workers)]
+        self.spec, self.replica, self.pg = spec, replica, pg
+        self.handles: list = []
         self.engine: ReplicaEngine | None = None
+        self._starting: asyncio.Future | None = None
         self.outboxes: dict[str, list[Delta]] = {}
         self.arrived: dict[str, asyncio.Event] = {}
+        self.owners: dict[str, str] = {}          # request id -> consumer
+        self.last_poll: dict[str, float] = {}     # consumer -> when it last polled
         self.metrics = ReplicaMetrics(replica)
 
     async def ready(self) -> int:
         """Waits until every worker has loaded its model; returns the replica's max_model_len."""
-        executors = await asyncio.gather(*(ActorExecutor.connect(h) for h in self.handles))
-        tokenizer = Tokenizer.from_file(str(Path(self.spec.worker.model) / "tokenizer.json"))
-        self.engine = ReplicaEngine.build(list(executors), self.spec.scheduler,
-                                          self.spec.num_drafts, tokenizer)
-        self.engine.start()
-        asyncio.get_running_loop().create_task(self._report_metrics())
-        return self.engine.max_model_len
+        return (await self._started()).max_model_len
 
-    def submit(self, consumer: str, request_id: str, prompt_ids: list[int],
-               params: bytes) -> str | None:
-        """Queues a request whose deltas go to `consumer`'s outbox; returns why it was refused."""
+    async def submit(self, consumer: str, request_id: str, prompt_ids: bytes,
+                     params: bytes) -> tuple[str, str] | None:
+        """Queues a request whose deltas go to `consumer`'s outbox; returns why it was refused
+        as (invalid | overloaded | unavailable, message)."""
+        engine = await self._started()
         try:
-            self.engine.add_request(request_id, prompt_ids, unpack(SamplingParams, params),
-                                    functools.partial(self._deliver, consumer))
-        except RequestError as e:
-            return str(e)
+            engine.add_request(request_id, unpack(list[int], prompt_ids),
+                               unpack(SamplingParams, params),
+                               functools.partial(self._deliver, consumer))
+        except (RequestError, WireError) as e:
+            return "invalid", str(e)
+        except Overloaded as e:
+            return "overloaded", str(e)
+        except Unavailable as e:
+            return "unavailable", str(e)
+        self.owners[request_id] = consumer
+        self.last_poll[consumer] = time.monotonic()
         return None
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        if self.engine is not None:
+            self.engine.abort(request_id)
 
     async def poll(self, consumer: str) -> bytes:
         """The consumer's deltas since its last poll, as soon as there are any."""
         arrived = self.arrived.setdefault(consumer, asyncio.Event())
+        self.last_poll[consumer] = time.monotonic()
         try:
             await asyncio.wait_for(arrived.wait(), POLL_TIMEOUT_S)
         except TimeoutError:
             pass
         arrived.clear()
+        self.last_poll[consumer] = time.monotonic()
         return pack(self.outboxes.pop(consumer, []))
 
-    def state(self) -> dict:
+    async def state(self) -> dict:
         """Per-worker queues, KV blocks and slots, and speculation totals (tests, operators)."""
-        return {"lanes": [vars(load) for load in self.engine.loads()],
-                "requests": len(self.engine.streams),
-                "spec": self.engine.spec_stats().as_dict()}
+        engine = await self._started()
+        return {"lanes": [vars(load) for load in engine.loads()],
+                "requests": len(engine.streams),
+                "outboxes": sum(map(len, self.outboxes.values())),
+                "spec": engine.spec_stats().as_dict()}
 
     async def memory_reports(self) -> list[dict]:
+        await self._started()
         return list(await asyncio.gather(*(h.memory_report.remote() for h in self.handles)))
+
+    async def worker_pids(self) -> list[int]:
+        """The worker processes' ids (tests kill them)."""
+        await self._started()
+        return list(await asyncio.gather(*(h.pid.remote() for h in self.handles)))
+
+    async def _started(self) -> ReplicaEngine:
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        return await asyncio.shield(self._starting)
+
+    async def _start(self) -> ReplicaEngine:
+        spec = self.spec
+        self.handles = [await self._start_worker(rank) for rank in range(spec.workers)]
+        executors = await asyncio.gather(*(ActorExecutor.connect(h) for h in self.handles))
+        tokenizer = Tokenizer.from_file(str(Path(spec.worker.model) / "tokenizer.json"))
+        self.engine = ReplicaEngine.build(list(executors), spec.scheduler, spec.num_drafts,
+                                          tokenizer, max_pending=spec.max_pending,
+                                          restart_timeout_s=spec.restart_timeout_s)
+        self.engine.start()
+        asyncio.get_running_loop().create_task(self._report_metrics())
+        return self.engine
+
+    async def _start_worker(self, rank: int):
+        """Starts worker `rank`; after a crash of this actor, Ray is still removing the previous
+        workers (they die with their owner), so their names may be taken for a moment."""
+        spec, waited = self.spec, 0.0
+        while True:
+            try:
+                return start_worker(spec.worker, self.replica, rank, num_gpus=spec.gpus_per_worker,
+                                    num_cpus=spec.cpus_per_worker,
+                                    placement=PlacementGroupSchedulingStrategy(self.pg, rank),
+                                    max_restarts=spec.worker_restarts)
+            except ValueError:   # the name is taken
+                if waited >= NAME_WAIT_S:
+                    raise
+                await asyncio.sleep(0.5)
+                waited += 0.5
 
     def _deliver(self, consumer: str, delta: Delta) -> None:
         self.outboxes.setdefault(consumer, []).append(delta)
@@ -117,7 +172,23 @@ class SchedulerActor:
     async def _report_metrics(self) -> None:
         while True:
             self.metrics.report(self.engine.loads(), self.engine.spec_stats())
+            self._drop_gone_consumers()
             await asyncio.sleep(METRICS_INTERVAL_S)
+
+    def _drop_gone_consumers(self) -> None:
+        """Aborts the requests of consumers that stopped polling (an ingress replica or batch
+        driver that died), so their deltas do not pile up here."""
+        now = time.monotonic()
+        gone = {c for c, t in self.last_poll.items() if now - t > CONSUMER_TIMEOUT_S}
+        for request_id, consumer in list(self.owners.items()):
+            if consumer in gone or request_id not in self.engine.streams:
+                del self.owners[request_id]
+                if consumer in gone:
+                    self.engine.abort(request_id)
+        for consumer in gone:
+            log.warning("consumer %s stopped polling; its requests were aborted", consumer)
+            for table in (self.last_poll, self.outboxes, self.arrived):
+                table.pop(consumer, None)
 
 
 def scheduler_name(replica: str) -> str:
@@ -135,7 +206,7 @@ async def start_replica(spec: ReplicaSpec, index: int, timeout_s: float = 600) -
                            f"{spec.bundles()[0]} within {timeout_s:.0f}s (it has "
                            f"{ray.cluster_resources()})")
     handle = ray.remote(SchedulerActor).options(
-        name=scheduler_name(name), namespace=NAMESPACE, num_cpus=0, max_restarts=0,
+        name=scheduler_name(name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(spec, name, pg)
     try:
         max_model_len = await handle.ready.remote()

@@ -6,7 +6,10 @@ import asyncio
 import logging
 import uuid
 
+import ray
+
 from metrale.cluster.actor import Replica
+from metrale.cluster.engine import Overloaded, Unavailable
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.stream import Delta
 from metrale.cluster.wire import pack, unpack
@@ -30,19 +33,25 @@ class ReplicaClient:
 
     async def submit(self, request_id: str, prompt_ids: list[int],
                      params: SamplingParams) -> "RequestStream":
-        """Queues the request (RequestError if the replica refuses it); returns its deltas."""
+        """Queues the request; returns its deltas. Raises RequestError, Overloaded or Unavailable
+        when the replica refuses it (Unavailable too while the replica itself restarts)."""
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.queues[request_id] = queue
         try:
-            error = await self.replica.handle.submit.remote(self.consumer, request_id, prompt_ids,
-                                                            pack(params))
+            refusal = await self.replica.handle.submit.remote(
+                self.consumer, request_id, pack(prompt_ids), pack(params))
+        except ray.exceptions.RayActorError as e:
+            del self.queues[request_id]
+            raise Unavailable(f"replica {self.replica.name} is restarting; retry") from e
         except BaseException:   # e.g. the HTTP client left while the request was being queued
             del self.queues[request_id]
             self.replica.handle.abort.remote(request_id)
             raise
-        if error is not None:
+        if refusal is not None:
             del self.queues[request_id]
-            raise RequestError(error)
+            kind, message = refusal
+            raise {"invalid": RequestError, "overloaded": Overloaded,
+                   "unavailable": Unavailable}[kind](message)
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll())
         return RequestStream(self, request_id, queue, params.n)
@@ -54,11 +63,18 @@ class ReplicaClient:
         while self.queues:
             try:
                 data = await self.replica.handle.poll.remote(self.consumer)
-            except Exception as e:  # the replica died: its requests end with the error
+            except ray.exceptions.TaskCancelledError:
+                # Serve cancels the Ray tasks a disconnected HTTP request started, and this poll
+                # may count as one of them; the replica is fine and kept the deltas
+                continue
+            except Exception as e:  # the replica's scheduler died: its requests end, retryable
                 log.error("replica %s failed: %s", self.replica.name, e)
                 for request_id, queue in list(self.queues.items()):
                     queue.put_nowait(Delta(request_id, 0, finish_reason="error",
-                                           error=f"replica {self.replica.name} failed"))
+                                           error=f"replica {self.replica.name} failed and is "
+                                           "restarting; retry the request",
+                                           error_type="unavailable"))
+                self.queues.clear()
                 return
             for delta in unpack(list[Delta], data):
                 queue = self.queues.get(delta.request_id)

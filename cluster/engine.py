@@ -9,7 +9,7 @@ from typing import AsyncIterator, Callable
 
 from tokenizers import Tokenizer
 
-from metrale.cluster.executor import WorkerExecutor
+from metrale.cluster.executor import WorkerExecutor, WorkerLost
 from metrale.cluster.params import SamplingParams
 from metrale.cluster.plan import WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
@@ -29,6 +29,18 @@ def drafts_per_round(requested: int | None, capacity: WorkerCapacity) -> int:
     return (capacity.fixed_drafts or DEFAULT_DRAFTS) if capacity.has_proposer else 0
 
 
+class Overloaded(RuntimeError):
+    """The replica holds as many requests as it may take; the caller retries later (HTTP 429)."""
+
+
+class Unavailable(RuntimeError):
+    """No worker is alive or restarting to serve the request (HTTP 503)."""
+
+
+UP, REVIVING, DOWN = "up", "reviving", "down"
+HEALTH_INTERVAL_S = 2.0   # how often idle workers are pinged
+
+
 @dataclass
 class Lane:
     """One worker and the scheduler that plans for it: its own KV blocks, slots and step loop."""
@@ -36,6 +48,9 @@ class Lane:
     scheduler: Scheduler
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     steps: int = 0
+    state: str = UP       # up, reviving (its worker restarts), or down for good
+    busy: bool = False    # a step is in flight
+    restarts: int = 0
 
     @property
     def load(self) -> int:
@@ -44,7 +59,8 @@ class Lane:
     def snapshot(self) -> "LaneLoad":
         s = self.scheduler
         return LaneLoad(len(s.waiting), len(s.running), s.blocks.num_free, s.blocks.num_blocks,
-                        s.slots.num_free, s.capacity.num_slots, self.steps, s.num_preemptions)
+                        s.slots.num_free, s.capacity.num_slots, self.steps, s.num_preemptions,
+                        self.state, self.restarts)
 
 
 @dataclass
@@ -58,6 +74,8 @@ class LaneLoad:
     num_slots: int
     steps: int
     preemptions: int
+    state: str = UP
+    restarts: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -70,20 +88,28 @@ class LaneLoad:
 
 class ReplicaEngine:
     """Requests in, per-request deltas out. New requests go to the least-loaded worker; each
-    worker's loop plans, executes and commits without waiting for the others."""
+    worker's loop plans, executes and commits without waiting for the others.
+
+    When a worker dies, its requests move to the least-loaded live worker (or wait for it to
+    restart) and re-prefill their prompt plus the tokens already emitted; their output streams go
+    on where they stopped, so a client sees each token once. With no worker alive or restarting,
+    requests end with an `unavailable` error."""
 
     def __init__(self, executors: list[WorkerExecutor], config: SchedulerConfig,
-                 tokenizer: Tokenizer):
+                 tokenizer: Tokenizer, max_pending: int | None = None,
+                 restart_timeout_s: float = 600.0):
+        self.config, self.tokenizer = config, tokenizer
+        self.max_pending, self.restart_timeout_s = max_pending, restart_timeout_s
         self.lanes = [Lane(e, Scheduler(config, e.capacity, tokenizer)) for e in executors]
         self.streams: dict[str, tuple[Lane, OutputStream]] = {}
         self._tasks: list[asyncio.Task] = []
 
     @classmethod
     def build(cls, executors: list[WorkerExecutor], config: SchedulerConfig,
-              num_drafts: int | None, tokenizer: Tokenizer) -> "ReplicaEngine":
+              num_drafts: int | None, tokenizer: Tokenizer, **limits) -> "ReplicaEngine":
         """An engine whose drafts per round default from the workers' proposer."""
         drafts = drafts_per_round(num_drafts, executors[0].capacity)
-        return cls(executors, replace(config, num_drafts=drafts), tokenizer)
+        return cls(executors, replace(config, num_drafts=drafts), tokenizer, **limits)
 
     @property
     def max_model_len(self) -> int:
@@ -91,6 +117,7 @@ class ReplicaEngine:
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._serve(lane)) for lane in self.lanes]
+        self._tasks.append(asyncio.create_task(self._watch()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -101,8 +128,14 @@ class ReplicaEngine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     sink: Callable[[Delta], None]) -> None:
-        """Queues a request on the least-loaded worker; raises RequestError naming the problem."""
-        lane = min(self.lanes, key=lambda ln: ln.load)
+        """Queues a request on the least-loaded worker. Raises RequestError naming a problem with
+        the request, Overloaded when the replica is full, Unavailable when no worker is left."""
+        if self.max_pending is not None and len(self.streams) >= self.max_pending:
+            raise Overloaded(f"over capacity: the replica holds {len(self.streams)} requests; "
+                             f"retry later")
+        lane = self._least_loaded()
+        if lane is None:
+            raise Unavailable("no worker is available: every worker of this replica has died")
         seqs = lane.scheduler.add_request(request_id, prompt_ids, params)
         self.streams[request_id] = (lane, OutputStream(request_id, seqs, sink))
         lane.wake.set()
@@ -144,16 +177,23 @@ class ReplicaEngine:
     async def _serve(self, lane: Lane) -> None:
         while True:
             await lane.wake.wait()
-            plan = lane.scheduler.schedule() if lane.scheduler.has_work else None
+            plan = lane.scheduler.schedule() if lane.state == UP and lane.scheduler.has_work \
+                else None
             if not plan or not plan.work:
                 lane.wake.clear()
                 continue
+            lane.busy = True
             try:
                 result = await lane.executor.execute(plan)
+            except WorkerLost as e:
+                self._lost(lane, str(e))
+                continue
             except Exception as e:  # its requests end with the error; other workers go on
                 log.exception("worker step failed")
-                self._fail_lane(lane, f"worker failed: {e}")
+                self._fail_lane(lane, f"worker failed: {e}", "internal")
                 continue
+            finally:
+                lane.busy = False
             lane.steps += 1
             for seq in lane.scheduler.update(plan, result):
                 entry = self.streams.get(seq.request_id)
@@ -165,8 +205,76 @@ class ReplicaEngine:
                     lane.scheduler.pop_finished(seq.request_id)
                     del self.streams[seq.request_id]
 
-    def _fail_lane(self, lane: Lane, message: str) -> None:
+    def _fail_lane(self, lane: Lane, message: str, kind: str) -> None:
         for request_id, (owner, stream) in list(self.streams.items()):
             if owner is lane:
-                stream.fail(message)
+                stream.fail(message, kind)
                 self.abort(request_id)
+
+    # -- worker failure ---------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Pings idle workers, so a dead one is found before a request is sent its way (a busy
+        one's failure surfaces in its step)."""
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            idle = [lane for lane in self.lanes if lane.state == UP and not lane.busy]
+            found = await asyncio.gather(*(lane.executor.ping() for lane in idle),
+                                         return_exceptions=True)
+            for lane, error in zip(idle, found):
+                if isinstance(error, WorkerLost) and lane.state == UP and not lane.busy:
+                    self._lost(lane, str(error))
+
+    def _lost(self, lane: Lane, reason: str) -> None:
+        """Moves the lane's requests to live workers, and waits for its worker's restart."""
+        index = self.lanes.index(lane)
+        log.error("worker %d lost (%s); re-queueing its %d requests", index, reason,
+                  len(lane.scheduler.by_request))
+        lane.state = REVIVING
+        orphans = lane.scheduler.evacuate()
+        lane.scheduler = self._fresh_scheduler(lane)   # the worker's caches are gone
+        self._place(orphans)
+        self._tasks.append(asyncio.create_task(self._revive(lane, index)))
+
+    async def _revive(self, lane: Lane, index: int) -> None:
+        try:
+            await asyncio.wait_for(lane.executor.reconnect(), self.restart_timeout_s)
+        except (WorkerLost, TimeoutError) as e:
+            log.error("worker %d is not coming back (%s)", index, e or "timed out")
+            lane.state = DOWN
+            self._place(lane.scheduler.evacuate())
+            return
+        lane.restarts += 1
+        lane.state = UP
+        log.warning("worker %d restarted; it takes requests again", index)
+        lane.wake.set()
+
+    def _place(self, orphans: list[tuple[str, list]]) -> None:
+        """Gives each request to the least-loaded live (else restarting) worker; with none left,
+        it ends with an `unavailable` error."""
+        for request_id, seqs in orphans:
+            entry = self.streams.get(request_id)
+            if entry is None:
+                continue
+            lane = self._least_loaded()
+            if lane is None:
+                entry[1].fail("no worker is available: every worker of this replica has died",
+                              "unavailable")
+                del self.streams[request_id]
+                continue
+            lane.scheduler.adopt(request_id, seqs)
+            self.streams[request_id] = (lane, entry[1])
+            lane.wake.set()
+
+    def _least_loaded(self) -> Lane | None:
+        for state in (UP, REVIVING):
+            lanes = [lane for lane in self.lanes if lane.state == state]
+            if lanes:
+                return min(lanes, key=lambda ln: ln.load)
+        return None
+
+    def _fresh_scheduler(self, lane: Lane) -> Scheduler:
+        scheduler = Scheduler(self.config, lane.executor.capacity, self.tokenizer)
+        scheduler.stats, scheduler.num_preemptions = lane.scheduler.stats, \
+            lane.scheduler.num_preemptions
+        return scheduler

@@ -8,11 +8,22 @@ from typing import Protocol
 from metrale.cluster.plan import StepPlan, StepResult, WorkerCapacity
 
 
+class WorkerLost(RuntimeError):
+    """The worker's process is gone, and its KV pages, slots and pools with it."""
+
+
 class WorkerExecutor(Protocol):
     """Runs step plans on one worker: a Ray actor or an in-process worker stands behind it."""
     capacity: WorkerCapacity
 
-    async def execute(self, plan: StepPlan) -> StepResult: ...
+    async def execute(self, plan: StepPlan) -> StepResult:
+        """The step's result; WorkerLost when the worker died (or was replaced) since the last."""
+
+    async def ping(self) -> None:
+        """Returns while the worker is alive; raises WorkerLost otherwise."""
+
+    async def reconnect(self) -> None:
+        """Waits until a restarted worker has loaded its model; WorkerLost if none will come."""
 
 
 class LocalExecutor:
@@ -25,3 +36,9 @@ class LocalExecutor:
 
     async def execute(self, plan: StepPlan) -> StepResult:
         return await asyncio.to_thread(self.worker.execute, plan)
+
+    async def ping(self) -> None:
+        pass
+
+    async def reconnect(self) -> None:
+        raise WorkerLost("an in-process worker is not restarted")

@@ -21,6 +21,9 @@ from metrale.workers.sampler import SamplingSpec
 
 log = logging.getLogger(__name__)
 
+# Sequence ids are unique in the process, so a request can move between a replica's schedulers.
+_SEQ_IDS = itertools.count()
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -48,7 +51,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[str, list[Sequence]] = {}
-        self._seq_ids = itertools.count()
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
@@ -72,7 +74,7 @@ class Scheduler:
         if params.grammar is not None:
             self._grammars().compile(params.grammar)   # an invalid schema fails here, alone
         base_seed = params.seed if params.seed is not None else random.getrandbits(62)
-        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_ids), params,
+        seqs = [Sequence(next(_SEQ_IDS), request_id, i, list(prompt_ids), params,
                          base_seed + i, IncrementalDetokenizer(self.tokenizer))
                 for i in range(params.n)]
         self.by_request[request_id] = seqs
@@ -83,6 +85,25 @@ class Scheduler:
         for seq in self.by_request.pop(request_id, []):
             if not seq.finished:
                 self._finish(seq, "abort")
+
+    def evacuate(self) -> list[tuple[str, list[Sequence]]]:
+        """Forgets every request (its worker died, and the caches with it), returning each with
+        its sequences reset to recompute prompt + output wherever they are adopted next."""
+        requests = list(self.by_request.items())
+        for _, seqs in requests:
+            for seq in seqs:
+                if not seq.finished:
+                    self._release(seq)
+                    seq.status, seq.num_computed = Status.WAITING, 0
+                    seq.num_preemptions += 1
+        self.by_request.clear()
+        self.waiting.clear()
+        return requests
+
+    def adopt(self, request_id: str, seqs: list[Sequence]) -> None:
+        """Queues another scheduler's evacuated request, ahead of requests not yet started."""
+        self.by_request[request_id] = seqs
+        self.waiting.extendleft(reversed([s for s in seqs if not s.finished]))
 
     def pop_finished(self, request_id: str) -> list[Sequence] | None:
         """The request's sequences once all are finished (then forgotten), else None."""

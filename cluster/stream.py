@@ -20,6 +20,7 @@ class Delta:
     finish_reason: str | None = None   # stop | length | error, on the completion's last delta
     spec: SpecStats | None = None      # the completion's speculation statistics, on its last delta
     error: str | None = None
+    error_type: str | None = None      # unavailable (retry later) or internal
 
 
 class OutputStream:
@@ -52,9 +53,10 @@ class OutputStream:
         if delta.text or delta.token_ids or delta.finish_reason:
             self.sink(delta)
 
-    def fail(self, message: str) -> None:
-        """Ends every open completion with an error (the worker running them failed)."""
+    def fail(self, message: str, kind: str) -> None:
+        """Ends every open completion with an error of `kind` (unavailable or internal)."""
         for i, closed in enumerate(self.closed):
             if not closed:
-                self.sink(Delta(self.request_id, i, finish_reason="error", error=message))
+                self.sink(Delta(self.request_id, i, finish_reason="error", error=message,
+                                error_type=kind))
         self.closed = [True] * len(self.closed)

@@ -15,7 +15,8 @@ import ray
 
 from metrale.cluster.actor import start_replica, stop_replica
 from metrale.cluster.client import ReplicaClient
-from metrale.cluster.params import RequestError
+from metrale.cluster.engine import Overloaded, Unavailable
+from metrale.cluster.params import RequestError, SamplingParams
 from metrale.deploy.config import ConfigError, MetraleConfig
 from metrale.deploy.llm import load_tokenizer
 from metrale.deploy.openai_api import CompletionRequest, ResponseBuilder, parse
@@ -26,6 +27,7 @@ from metrale.workers.models import CheckpointError
 
 log = logging.getLogger("metrale.batch")
 PROGRESS_EVERY_S = 10.0
+RETRIES = 8   # attempts per line while workers or replicas restart
 
 
 def written_lines(path: Path) -> int:
@@ -91,14 +93,29 @@ class BatchRun:
                 raise RequestError("prompt: one prompt per line")
             params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens,
                                          req.logprobs)
-            queues = [c.in_flight for c in self.clients]
-            client = self.clients[self.router.choose(prompts[0], queues)]
-            stream = await client.submit(f"batch-{number}", prompts[0], params)
         except RequestError as e:
             return {"id": record_id, "error": str(e)}
+        for attempt in range(RETRIES):
+            try:
+                return await self._attempt(number, record_id, prompts[0], params, attempt)
+            except (Overloaded, Unavailable, Retry) as e:   # a worker or replica restarts
+                log.warning("line %d: %s; retrying (attempt %d of %d)", number, e, attempt + 2,
+                            RETRIES)
+                await asyncio.sleep(min(2 ** attempt, 30))
+            except RequestError as e:
+                return {"id": record_id, "error": str(e)}
+        return {"id": record_id, "error": f"gave up after {RETRIES} attempts"}
+
+    async def _attempt(self, number: int, record_id, prompt: list[int], params: SamplingParams,
+                       attempt: int) -> dict:
+        queues = [c.in_flight for c in self.clients]
+        client = self.clients[self.router.choose(prompt, queues)]
+        stream = await client.submit(f"batch-{number}-{attempt}", prompt, params)
         builder = ResponseBuilder(False, self.model_name, self.tokenizer, params.n,
-                                  len(prompts[0]), False)
+                                  len(prompt), False)
         async for delta in stream:
+            if delta.error_type == "unavailable":
+                raise Retry(delta.error)
             if delta.error:
                 return {"id": record_id, "error": delta.error}
             builder.add(delta.index, delta)
@@ -109,6 +126,10 @@ class BatchRun:
             result["choices"] = [{"text": c.text, "finish_reason": c.finish_reason}
                                  for c in builder.choices]
         return result
+
+
+class Retry(Exception):
+    """A line's request ended because its replica failed; it is sent again."""
 
 
 async def run_batch(config: MetraleConfig, lines: list[tuple[int, str]], out, first: int,

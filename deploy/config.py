@@ -87,6 +87,23 @@ class MetraleConfig(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="Port `metrale serve` listens on.")
     max_pending_requests: int = Field(256, ge=1, description="Requests one replica may hold "
                                       "(running and queued) before the endpoint answers 429.")
+    request_timeout_s: float | None = Field(600.0, gt=0, description="A request still unfinished "
+                                            "after this many seconds is aborted (HTTP 504); "
+                                            "null: no limit.")
+    max_request_bytes: int = Field(8 << 20, ge=1024, description="Largest request body accepted "
+                                   "(HTTP 413 beyond it).")
+    api_keys: list[str] = Field([], description="Keys clients must send as `Authorization: "
+                                "Bearer KEY` on /v1 routes; the environment variable "
+                                "METRALE_API_KEYS adds more (comma-separated). Empty: open.")
+    log_prompts: bool = Field(False, description="Include prompt text in request logs (off: logs "
+                              "carry sizes, status and timing only).")
+
+    # -- failures
+    worker_restarts: int = Field(-1, ge=-1, description="Times Ray restarts a dead worker actor "
+                                 "(-1: always); its requests move to live workers meanwhile.")
+    restart_timeout_s: float = Field(600.0, gt=0, description="How long a replica with no live "
+                                     "worker keeps requests waiting for a restart before failing "
+                                     "them (HTTP 503).")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "MetraleConfig":
@@ -154,4 +171,6 @@ class MetraleConfig(BaseModel):
         # a worker without a GPU must not pick up one it was not given
         device = "cpu" if gpus == 0 and self.device == "auto" else self.device
         return ReplicaSpec(self.name, self.worker_config(device), self.scheduler_config(),
-                           self.num_drafts, self.workers_per_replica, gpus, self.cpus_per_worker)
+                           self.num_drafts, self.workers_per_replica, gpus, self.cpus_per_worker,
+                           self.max_pending_requests, self.worker_restarts,
+                           self.restart_timeout_s)

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tokenizers import Tokenizer
 
-from metrale.cluster.params import GrammarSpec, RequestError, SamplingParams
+from metrale.cluster.params import MAX_TOKEN_ID, GrammarSpec, RequestError, SamplingParams
 from metrale.cluster.sequence import TokenLogprob
 from metrale.cluster.stream import Delta
 from metrale.drafting.stats import SpecStats
@@ -92,6 +92,10 @@ class CompletionRequest(SamplingRequest):
             self.prompt and isinstance(self.prompt[0], int)) else self.prompt
         if not items:
             raise RequestError("prompt must not be empty")
+        for p in items:
+            if not isinstance(p, str) and not all(0 <= t < MAX_TOKEN_ID for t in p):
+                raise RequestError("prompt: token ids must be non-negative and within the "
+                                   "vocabulary")
         return [tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in items]
 
 

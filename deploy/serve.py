@@ -1,8 +1,10 @@
 """The Ray Serve application: an OpenAI-compatible ingress over the replicas; `metrale serve`."""
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -19,6 +21,7 @@ from ray import serve
 
 from metrale.cluster.actor import start_replica, stop_replica
 from metrale.cluster.client import ReplicaClient, RequestStream
+from metrale.cluster.engine import Overloaded, Unavailable
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.stream import Delta
 from metrale.deploy.chat import ChatTemplate
@@ -31,9 +34,14 @@ from metrale.deploy.router import Router
 from metrale.workers.actor import NAMESPACE
 
 log = logging.getLogger(__name__)
+# request lines go where Serve writes its replicas' logs
+access_log = logging.getLogger("ray.serve.metrale")
 
 APP_NAME = "metrale"
 app = FastAPI(title="metrale")
+
+
+RETRY_AFTER_S = 1   # what 429 and 503 answers ask clients to wait
 
 
 class HTTPError(Exception):
@@ -41,14 +49,50 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status, self.type = status, type_
 
+    @classmethod
+    def of(cls, e: Exception) -> "HTTPError":
+        """The answer to an exception from validation, routing or a replica."""
+        if isinstance(e, HTTPError):
+            return e
+        if isinstance(e, RequestError):
+            return cls(400, str(e), "invalid_request_error")
+        if isinstance(e, Overloaded):
+            return cls(429, str(e), "rate_limit_exceeded")
+        if isinstance(e, Unavailable):
+            return cls(503, str(e), "service_unavailable")
+        if isinstance(e, ray.exceptions.RayActorError):   # a replica died under us
+            return cls(503, f"a replica is unavailable: {str(e).splitlines()[0]}",
+                       "service_unavailable")
+        raise e
+
+    @classmethod
+    def of_delta(cls, delta: Delta) -> "HTTPError":
+        if delta.error_type == "unavailable":
+            return cls(503, delta.error, "service_unavailable")
+        return cls(500, delta.error, "internal_error")
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
+        return JSONResponse(error_body(str(self), self.type, self.status), status_code=self.status,
+                            headers=headers)
+
+
+def api_keys(config: MetraleConfig) -> list[str]:
+    """The config's keys and those in METRALE_API_KEYS (comma-separated)."""
+    extra = [k.strip() for k in os.environ.get("METRALE_API_KEYS", "").split(",")]
+    return [k for k in [*config.api_keys, *extra] if k]
+
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def merge(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, Delta]]:
+async def merge(streams: list[RequestStream], n: int,
+                timeout: float | None = None) -> AsyncIterator[tuple[int, Delta]]:
     """The deltas of a request's prompts as (choice index, delta); prompt p's completion i is
-    choice p * n + i. Closing the merge closes (and so aborts) every unfinished stream."""
+    choice p * n + i. Closing the merge closes (and so aborts) every unfinished stream; so does
+    running past `timeout` seconds, which raises TimeoutError."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
 
     async def pump(p: int, stream: RequestStream) -> None:
@@ -61,7 +105,8 @@ async def merge(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int
     try:
         left = len(tasks)
         while left:
-            item = await queue.get()
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            item = await asyncio.wait_for(queue.get(), wait)
             if item is None:
                 left -= 1
             else:
@@ -73,6 +118,43 @@ async def merge(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int
             stream.close()
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events that abort their request as soon as the response ends, however it ends:
+    a client may go away before the generator ever ran, or while an event is being sent, so the
+    generator's own clean-up would come late or never."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream")
+        self.events, self.streams = events, streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:   # no await before the aborts: in a cancelled scope every await raises
+            for stream in self.streams:
+                stream.close()
+            await self.events.aclose()
+
+
+class RequestNote:
+    """One request's log line: route, status, sizes and time; the prompt only when enabled."""
+
+    def __init__(self, route: str):
+        self.route, self.start = route, time.perf_counter()
+        self.id = uuid.uuid4().hex[:12]
+        self.prompt = None
+        self.prompt_tokens = 0
+        self.completion_tokens: int | None = None
+
+    def answered(self, status: int, with_prompt: bool) -> None:
+        extra = f" prompt={self.prompt!r}" if with_prompt and self.prompt is not None else ""
+        access_log.info("request %s %s -> %d in %.3fs, %d prompt tokens, %s completion tokens%s",
+                        self.id, self.route, status, time.perf_counter() - self.start,
+                        self.prompt_tokens, "streamed" if self.completion_tokens is None
+                        else self.completion_tokens, extra)
+
+
+# (Everything the deployment uses is defined above it: Serve captures the class when it is defined.)
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIServer:
@@ -85,6 +167,7 @@ class OpenAIServer:
         self.tokenizer = load_tokenizer(config.model_path)
         self.template = ChatTemplate.for_checkpoint(config.model_path)
         self.router = Router(config.replicas, config.block_size)
+        self.keys = [k.encode() for k in api_keys(config)]
         self.metrics = RequestMetrics(self.name)
         self.clients: list[ReplicaClient] = []
         self.max_model_len = 0
@@ -116,12 +199,16 @@ class OpenAIServer:
     @app.get("/health")
     async def health(self):
         if not self.clients:
-            return self._error(HTTPError(503, self.startup_error or "the model is loading",
-                                         "service_unavailable"))
+            return HTTPError(503, self.startup_error or "the model is loading",
+                             "service_unavailable").response()
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        try:
+            self._authorize(request)
+        except HTTPError as e:
+            return e.response()
         return {"object": "list", "data": [{
             "id": self.name, "object": "model", "created": int(time.time()), "owned_by": "metrale",
             "root": self.config.model_path, "max_model_len": self.max_model_len or None}]}
@@ -137,19 +224,45 @@ class OpenAIServer:
     # -- one request ------------------------------------------------------------------------
 
     async def _answer(self, request: Request, chat: bool):
+        note = RequestNote(request.url.path)
         try:
-            response = await self._generate(await request.body(), chat)
-        except RequestError as e:
-            response = self._error(HTTPError(400, str(e), "invalid_request_error"))
-        except HTTPError as e:
-            response = self._error(e)
-        except ray.exceptions.RayActorError as e:   # a replica died under us
-            response = self._error(HTTPError(503, f"a replica is unavailable: {e}",
-                                             "service_unavailable"))
+            self._authorize(request)
+            response = await self._generate(await self._body(request), chat, note)
+        except Exception as e:
+            response = HTTPError.of(e).response()
         self.metrics.answered(request.url.path, response.status_code)
+        note.answered(response.status_code, self.config.log_prompts)
         return response
 
-    async def _generate(self, body: bytes, chat: bool):
+    def _authorize(self, request: Request) -> None:
+        """With API keys configured, the request must carry one as a Bearer token (compared in
+        constant time)."""
+        if not self.keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self.keys):
+            raise HTTPError(401, "missing or invalid API key: send `Authorization: Bearer KEY`",
+                            "authentication_error")
+
+    async def _body(self, request: Request) -> bytes:
+        """The JSON body, refused early when too large or not JSON."""
+        kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
+        if kind.lower() != "application/json" and not kind.lower().endswith("+json"):
+            raise HTTPError(415, f"Content-Type must be application/json, not {kind!r}",
+                            "invalid_request_error")
+        limit = self.config.max_request_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise HTTPError(413, f"request body is {length} bytes; the limit is {limit}",
+                            "invalid_request_error")
+        body = await request.body()
+        if len(body) > limit:
+            raise HTTPError(413, f"request body is {len(body)} bytes; the limit is {limit}",
+                            "invalid_request_error")
+        return body
+
+    async def _generate(self, body: bytes, chat: bool, note: "RequestNote"):
         timer = self.metrics.timer()
         if not self.clients:
             raise HTTPError(503, self.startup_error or "the model is loading; retry shortly",
@@ -164,9 +277,12 @@ class OpenAIServer:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
                 else req.max_tokens
+            note.prompt = rendered
         else:
             prompts, logprobs = req.prompts(self.tokenizer), req.logprobs
             max_tokens = req.max_tokens
+            note.prompt = req.prompt
+        note.prompt_tokens = sum(map(len, prompts))
         if max_tokens is None:   # the rest of the context
             max_tokens = max(1, self.max_model_len - max(len(p) for p in prompts))
         params = req.sampling_params(max_tokens, logprobs)
@@ -180,56 +296,64 @@ class OpenAIServer:
             raise
         builder = ResponseBuilder(chat, self.name, self.tokenizer, len(prompts) * params.n,
                                   sum(len(p) for p in prompts), logprobs is not None)
-        deltas = merge(streams, params.n)
+        deltas = merge(streams, params.n, self.config.request_timeout_s)
         if req.stream:
-            return StreamingResponse(self._events(builder, deltas, req.include_usage, timer),
-                                     media_type="text/event-stream")
+            return EventStream(self._events(builder, deltas, req.include_usage, timer), streams)
         try:
             async for index, delta in deltas:
                 if delta.error:
-                    raise HTTPError(500, delta.error, "internal_error")
+                    raise HTTPError.of_delta(delta)
                 builder.add(index, delta)
                 timer.tokens(len(delta.token_ids))
+        except TimeoutError:
+            raise self._timed_out() from None
         finally:
             await deltas.aclose()
             timer.done()
+        note.completion_tokens = timer.count
         return JSONResponse(builder.response())
 
     async def _submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         queues = [c.in_flight for c in self.clients]
         if min(queues) >= self.config.max_pending_requests:
-            raise HTTPError(429, f"over capacity: every replica holds "
-                            f"{self.config.max_pending_requests} requests; retry later",
-                            "rate_limit_exceeded")
+            raise Overloaded(f"over capacity: every replica holds "
+                             f"{self.config.max_pending_requests} requests; retry later")
         pick = self.router.choose(prompt_ids, queues)
         if queues[pick] >= self.config.max_pending_requests:
             pick = queues.index(min(queues))
         return await self.clients[pick].submit(uuid.uuid4().hex, prompt_ids, params)
 
+    def _timed_out(self) -> HTTPError:
+        return HTTPError(504, f"the request took longer than request_timeout_s="
+                         f"{self.config.request_timeout_s}", "timeout")
+
     async def _events(self, builder: ResponseBuilder, deltas, include_usage: bool,
                       timer: RequestTimer) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per delta, the usage chunk if asked, then [DONE]."""
+        """Server-sent events: one chunk per delta, the usage chunk if asked, then [DONE]. An
+        error (a failed replica, the request timeout) ends the stream with an error event."""
         started = [False] * len(builder.choices)
         try:
-            async for index, delta in deltas:
-                if delta.error:
-                    yield _event(error_body(delta.error, "internal_error", 500))
-                    break
-                builder.add(index, delta)
-                timer.tokens(len(delta.token_ids))
-                if delta.text or delta.finish_reason or delta.logprobs or not started[index]:
-                    yield _event(builder.chunk(index, delta, first=not started[index]))
-                    started[index] = True
-            else:
-                if include_usage:
-                    yield _event(builder.usage_chunk())
+            try:
+                async for index, delta in deltas:
+                    if delta.error:
+                        e = HTTPError.of_delta(delta)
+                        yield _event(error_body(str(e), e.type, e.status))
+                        break
+                    builder.add(index, delta)
+                    timer.tokens(len(delta.token_ids))
+                    if delta.text or delta.finish_reason or delta.logprobs or not started[index]:
+                        yield _event(builder.chunk(index, delta, first=not started[index]))
+                        started[index] = True
+                else:
+                    if include_usage:
+                        yield _event(builder.usage_chunk())
+            except TimeoutError:
+                e = self._timed_out()
+                yield _event(error_body(str(e), e.type, e.status))
             yield "data: [DONE]\n\n"
         finally:
             await deltas.aclose()
             timer.done()
-
-    def _error(self, e: HTTPError) -> JSONResponse:
-        return JSONResponse(error_body(str(e), e.type, e.status), status_code=e.status)
 
 
 def build_app(config: MetraleConfig | dict) -> serve.Application:
@@ -238,13 +362,21 @@ def build_app(config: MetraleConfig | dict) -> serve.Application:
     if not isinstance(config, MetraleConfig):
         config = MetraleConfig.validated(config, "Serve application args")
     load_tokenizer(config.model_path)   # a missing or broken checkpoint fails here, not later
-    ongoing = config.replicas * config.max_pending_requests + 64   # room for our own 429s
-    return OpenAIServer.options(max_ongoing_requests=ongoing).bind(config)
+    # Room for the requests the replicas hold, and for answering 429 to more; past that, Serve
+    # queues a bounded number and refuses the rest with 503, so a flood cannot grow memory.
+    ongoing = config.replicas * config.max_pending_requests + 256
+    return OpenAIServer.options(max_ongoing_requests=ongoing,
+                                max_queued_requests=ongoing).bind(config)
 
 
 def run_server(config: MetraleConfig) -> int:
     """`metrale serve`: joins the running Ray cluster (or starts a local one), deploys the app,
     waits until it is healthy, then serves until SIGINT or SIGTERM."""
+    # keys from this shell's environment travel in the config (Ray's processes may not share it)
+    config = config.with_overrides(api_keys=api_keys(config) or None)
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_keys:
+        log.warning("serving on %s without API keys: anyone who reaches it can use it (set "
+                    "api_keys or METRALE_API_KEYS)", config.host)
     application = build_app(config)
     stop = threading.Event()
     ray.init(namespace=NAMESPACE)

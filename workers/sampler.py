@@ -17,6 +17,10 @@ class TokenConstraint(Protocol):
         """Bool mask [vocab] of the tokens allowed next."""
 
 
+# Temperatures below this sample greedily: dividing logits by a tinier one overflows to inf.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingSpec:
     """What the worker needs to sample one row: the request's distribution and its random stream."""
@@ -30,7 +34,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def at(self, draw: int) -> "SamplingSpec":
         return replace(self, draw=draw)

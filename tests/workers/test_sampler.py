@@ -77,3 +77,11 @@ def test_seeded_draws_reproduce_and_differ_across_seeds():
     b = sample(logits, [spec(seed=1, draw=i) for i in range(64)])
     c = sample(logits, [spec(seed=2, draw=i) for i in range(64)])
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("t", [5e-324, 1e-300, 1e-6])
+def test_a_vanishing_temperature_samples_greedily_instead_of_overflowing(t):
+    # logits / 5e-324 would be inf, and softmax of it nan (a crash in multinomial)
+    probs = target_probs(LOGITS * 40, [spec(temperature=t)])
+    assert probs[0].tolist() == [1.0, 0, 0, 0, 0, 0]
+    assert sample(LOGITS, [spec(temperature=t)]).tolist() == [0]
