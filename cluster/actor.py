@@ -40,9 +40,14 @@ class ReplicaSpec:
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 1.0
 
+    @property
+    def ranks(self) -> int:
+        """Worker actors per lane: the tensor-parallel size (each actor one bundle, one GPU)."""
+        return self.worker.tensor_parallel_size
+
     def bundles(self) -> list[dict[str, float]]:
         bundle = {"CPU": self.cpus_per_worker, "GPU": self.gpus_per_worker}
-        return [{k: v for k, v in bundle.items() if v}] * self.workers
+        return [{k: v for k, v in bundle.items() if v}] * (self.workers * self.ranks)
 
 
 @dataclass
@@ -59,10 +64,11 @@ class SchedulerActor:
 
     def __init__(self, spec: ReplicaSpec, replica: str, pg: PlacementGroup):
         self.spec, self.replica = spec, replica
+        # lane i's tensor-parallel ranks are actors i * ranks .. (i + 1) * ranks - 1
         self.handles = [start_worker(spec.worker, replica, rank, num_gpus=spec.gpus_per_worker,
-                                     num_cpus=spec.cpus_per_worker,
+                                     num_cpus=spec.cpus_per_worker, tp_rank=rank % spec.ranks,
                                      placement=PlacementGroupSchedulingStrategy(pg, rank))
-                        for rank in range(spec.workers)]
+                        for rank in range(spec.workers * spec.ranks)]
         self.engine: ReplicaEngine | None = None
         self.outboxes: dict[str, list[Delta]] = {}
         self.arrived: dict[str, asyncio.Event] = {}
@@ -70,7 +76,9 @@ class SchedulerActor:
 
     async def ready(self) -> int:
         """Waits until every worker has loaded its model; returns the replica's max_model_len."""
-        executors = await asyncio.gather(*(ActorExecutor.connect(h) for h in self.handles))
+        n = self.spec.ranks
+        executors = await asyncio.gather(*(ActorExecutor.connect(*self.handles[i:i + n])
+                                           for i in range(0, len(self.handles), n)))
         tokenizer = Tokenizer.from_file(str(Path(self.spec.worker.model) / "tokenizer.json"))
         self.engine = ReplicaEngine.build(list(executors), self.spec.scheduler,
                                           self.spec.num_drafts, tokenizer)
@@ -131,7 +139,7 @@ async def start_replica(spec: ReplicaSpec, index: int, timeout_s: float = 600) -
     pg = placement_group(spec.bundles(), strategy="PACK", name=f"metrale-{name}")
     if not await _placed(pg, name, spec, timeout_s):
         remove_placement_group(pg)
-        raise RuntimeError(f"replica {name}: the cluster cannot place {spec.workers} worker(s) of "
+        raise RuntimeError(f"replica {name}: the cluster cannot place {len(spec.bundles())} worker(s) of "
                            f"{spec.bundles()[0]} within {timeout_s:.0f}s (it has "
                            f"{ray.cluster_resources()})")
     handle = ray.remote(SchedulerActor).options(
@@ -155,7 +163,7 @@ async def _placed(pg: PlacementGroup, name: str, spec: ReplicaSpec, timeout_s: f
             return True
         waited += PLACEMENT_NOTE_S
         log.warning("replica %s: waiting %.0fs for %d worker(s) of %s; the cluster has %s free",
-                    name, waited, spec.workers, spec.bundles()[0], ray.available_resources())
+                    name, waited, len(spec.bundles()), spec.bundles()[0], ray.available_resources())
     ready.cancel()
     return False
 

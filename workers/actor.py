@@ -96,8 +96,10 @@ class WorkerGroup:
     def __init__(self, config: WorkerConfig, num_cpus: float = 1.0):
         size = config.tensor_parallel_size
         check_divisible(ModelConfig.from_dir(config.model, config.dtype), size)   # fail before Ray
-        if not ray.is_initialized():
-            ray.init(namespace=NAMESPACE, log_to_driver=False)
+        if not ray.is_initialized():   # a local Ray of at least one logical CPU per rank
+            ray.init(namespace=NAMESPACE, log_to_driver=False,
+                     num_cpus=None if os.environ.get("RAY_ADDRESS") else
+                     max(os.cpu_count() or 1, int(size * num_cpus)))
         gpus = 1.0 if config.torch_device.type == "cuda" else 0.0
         if not gpus:   # a CPU rank must not pick up a GPU it was not given
             config = replace(config, device="cpu")
