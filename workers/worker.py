@@ -212,19 +212,14 @@ class Worker:
 
     def _verdicts(self, work: list[SeqWork], batch: ForwardBatch, drafts: dict[int, list[int]],
                   hidden: torch.Tensor) -> dict[int, SeqOutcome]:
-        """The outcome of every sampling sequence, by id, from one lm_head call over the rows of
-        each one's pending token and drafts."""
-        sampled = [(w, rows, drafts.get(w.seq_id, [])) for w, rows in zip(work, batch.seqs)
-                   if w.sample]
-        if not sampled:
-            return {}
-        index = [i for _, rows, d in sampled
-                 for i in range(rows.start + rows.length - 1 - len(d), rows.start + rows.length)]
-        logits = self.model.logits(hidden[torch.tensor(index, device=hidden.device)])
-        verdicts, first = {}, 0
-        for w, _, d in sampled:
-            verdicts[w.seq_id] = self._accept(w, d, logits[first:first + len(d) + 1])
-            first += len(d) + 1
+        """The outcome of every sampling sequence, by id. Each sequence's logits come from its own
+        lm_head call, so they do not depend on which other sequences share the step."""
+        verdicts = {}
+        for w, rows in zip(work, batch.seqs):
+            if w.sample:
+                d = drafts.get(w.seq_id, [])
+                end = rows.start + rows.length
+                verdicts[w.seq_id] = self._accept(w, d, self.model.logits(hidden[end - 1 - len(d):end]))
         return verdicts
 
     def _accept(self, w: SeqWork, drafts: list[int], logits: torch.Tensor) -> SeqOutcome:
