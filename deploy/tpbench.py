@@ -33,8 +33,9 @@ from metrale.workers.worker import Worker, WorkerConfig
 
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936)
+# --small: a shape to check the program on CPU
 SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=64, intermediate_size=512, vocab_size=1024)   # --small: checks the program on CPU
+             head_dim=64, intermediate_size=512, vocab_size=1024)
 GREEDY_TOKENS = 64
 
 
@@ -46,15 +47,17 @@ def write_random_checkpoint(out: Path, shape: dict, device: str, seed: int = 0) 
     if (out / "model.safetensors").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-           "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
+           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
            "attention_bias": False, "torch_dtype": "bfloat16", "eos_token_id": 0}
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in CausalLM(ModelConfig.from_dict(raw)).state_dict().items()}
     g = torch.Generator(device).manual_seed(seed)
-    tensors = {name: (torch.ones(size, dtype=torch.bfloat16) if name.endswith("norm.weight") else
-                      (torch.randn(size, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu())
-               for name, size in shapes.items()}
+
+    def draw(size):
+        return (torch.randn(size, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
+    tensors = {name: torch.ones(size, dtype=torch.bfloat16) if name.endswith("norm.weight")
+               else draw(size) for name, size in shapes.items()}
     save_file(tensors, str(out / "model.safetensors"))
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(raw["vocab_size"])}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -122,8 +125,9 @@ def device_of(args, rank: int) -> str:
 
 
 def worker_config(args, rank: int, size: int) -> WorkerConfig:
-    return WorkerConfig(args.dir, device_of(args, rank), "bfloat16", kv_cache_bytes=args.kv_cache_gb << 30,
-                        max_num_seqs=max(args.batch), tensor_parallel_size=size)
+    return WorkerConfig(args.dir, device_of(args, rank), "bfloat16",
+                        kv_cache_bytes=args.kv_cache_gb << 30, max_num_seqs=max(args.batch),
+                        tensor_parallel_size=size)
 
 
 def measure(executor, worker: Worker, args, requests) -> dict:
@@ -239,16 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     requests = prompts(max(max(args.batch), 2) * args.replicas, args.prompt_len,
                        shape["vocab_size"])
 
+    dp_requests = requests[:max(args.batch) * args.replicas]
     worker = Worker(worker_config(args, 0, 1))
     single = measure(worker, worker, args, requests)
+    one_replica = drive(worker, args.dir, dp_requests, max(args.batch), args.new_tokens)
     del worker
     empty_cache(args)
     split = run_tp(args, requests)
-    dp_requests = requests[:max(args.batch) * args.replicas]
-    one = Worker(worker_config(args, 0, 1))
-    one_replica = drive(one, args.dir, dp_requests, max(args.batch), args.new_tokens)
-    del one
-    empty_cache(args)
     many = run_replicas(args, dp_requests)
 
     diff = (single["logits"] - split["logits"]).abs().max().item()

@@ -38,7 +38,7 @@ def test_head_counts_that_do_not_divide_are_refused(checkpoint):
 
 
 CASES = [("qwen3", "none"), ("qwen3", "ngram"), ("qwen3", "dflash"), ("qwen3_5", "none"),
-         ("qwen3_5", "mtp"), ("qwen3_5", "dflash"), ("qwen3_5", "ngram")]
+         ("qwen3_5", "mtp"), ("qwen3_5", "dflash"), ("qwen3_5", "ngram"), ("qwen3_5", "self")]
 
 
 @pytest.mark.slow
