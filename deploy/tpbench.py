@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -167,6 +168,10 @@ def empty_cache(args) -> None:
         torch.cuda.empty_cache()
 
 
+def note(what: str, since: float) -> None:
+    print(f"[{time.perf_counter() - since:7.1f}s] {what}", file=sys.stderr, flush=True)
+
+
 def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     write_random_checkpoint(Path(args.dir), shape, args.device)
     written = time.perf_counter() - t0
+    note("checkpoint written", t0)
     requests = prompts(max(max(args.batch), 2) * args.replicas, args.prompt_len,
                        shape["vocab_size"])
 
@@ -247,10 +253,13 @@ def main(argv: list[str] | None = None) -> None:
     worker = Worker(worker_config(args, 0, 1))
     single = measure(worker, worker, args, requests)
     one_replica = drive(worker, args.dir, dp_requests, max(args.batch), args.new_tokens)
+    note("TP=1 measured", t0)
     del worker
     empty_cache(args)
     split = run_tp(args, requests)
+    note(f"TP={args.tp} measured", t0)
     many = run_replicas(args, dp_requests)
+    note(f"{args.replicas} replicas measured", t0)
 
     diff = (single["logits"] - split["logits"]).abs().max().item()
     report = {
