@@ -126,7 +126,7 @@ def device_of(args, rank: int) -> str:
 
 
 def worker_config(args, rank: int, size: int) -> WorkerConfig:
-    return WorkerConfig(args.dir, device_of(args, rank), "bfloat16",
+    return WorkerConfig(args.dir, device_of(args, rank), args.dtype,
                         kv_cache_bytes=args.kv_cache_gb << 30, max_num_seqs=max(args.batch),
                         tensor_parallel_size=size)
 
@@ -229,8 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda: rank or replica i on GPU i (NCCL); cpu: gloo")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the workers' dtype (the checkpoint is bfloat16)")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="replicas to compare with one (1: skip)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16],
                    help="sequences decoded together (a timed run per value)")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -258,12 +260,12 @@ def main(argv: list[str] | None = None) -> None:
     empty_cache(args)
     split = run_tp(args, requests)
     note(f"TP={args.tp} measured", t0)
-    many = run_replicas(args, dp_requests)
+    many = run_replicas(args, dp_requests) if args.replicas > 1 else None
     note(f"{args.replicas} replicas measured", t0)
 
     diff = (single["logits"] - split["logits"]).abs().max().item()
     report = {
-        "model": {**shape, "dtype": "bfloat16", "weights": "random N(0, 0.02)"},
+        "model": {**shape, "dtype": args.dtype, "weights": "random N(0, 0.02), stored in bfloat16"},
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "checkpoint_written_s": round(written, 1),
@@ -274,11 +276,11 @@ def main(argv: list[str] | None = None) -> None:
                    f"tp{args.tp}_step_ms": round(split[b]["step_ms"], 2),
                    "greedy": agreement(single[b]["outputs"], split[b]["outputs"])}
                for b in args.batch},
-        "replicas": {"requests": len(dp_requests), "batch": max(args.batch),
-                     "one_tokens_per_s": round(one_replica["tokens_per_s"], 1),
-                     f"{args.replicas}_tokens_per_s": round(many["tokens_per_s"], 1),
-                     "per_replica_tokens_per_s": [round(x, 1)
-                                                  for x in many["per_replica_tokens_per_s"]]},
+        "replicas": many and {
+            "requests": len(dp_requests), "batch": max(args.batch),
+            "one_tokens_per_s": round(one_replica["tokens_per_s"], 1),
+            f"{args.replicas}_tokens_per_s": round(many["tokens_per_s"], 1),
+            "per_replica_tokens_per_s": [round(x, 1) for x in many["per_replica_tokens_per_s"]]},
     }
     text = json.dumps(report, indent=2)
     print(text)

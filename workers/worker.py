@@ -142,7 +142,9 @@ class Worker:
         if not plan.work:
             return StepResult()
         self._track_history(plan.work)
-        drafts = self.tp.agree(self._propose(plan.work))
+        drafts = self._propose(plan.work)
+        if drafts:   # the plan decides whether there are any, so every rank agrees here or none
+            drafts = self.tp.agree(drafts)
         verifying = {sid for sid, d in drafts.items() if d}
         batch = ForwardBatch.build(
             [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
