@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from metrale.cluster.params import SamplingParams
@@ -147,10 +148,11 @@ def tp_rank(rank: int, size: int, address: str, args, requests, results) -> None
     if rank:
         prefill_logits(worker, requests[0])
         follow(worker)
-        return
-    zero = RankZero(worker)
-    results.put(measure(zero, worker, args, requests))
-    zero.stop()
+    else:
+        zero = RankZero(worker)
+        results.put(measure(zero, worker, args, requests))
+        zero.stop()
+    dist.destroy_process_group()
 
 
 def replica(index: int, args, requests, ready, go, results) -> None:
