@@ -100,10 +100,13 @@ class WorkerGroup:
             ray.init(namespace=NAMESPACE, log_to_driver=False,
                      num_cpus=None if os.environ.get("RAY_ADDRESS") else
                      max(os.cpu_count() or 1, int(size * num_cpus)))
-        gpus = 1.0 if config.torch_device.type == "cuda" else 0.0
-        if not gpus:   # a CPU rank must not pick up a GPU it was not given
-            config = replace(config, device="cpu")
-        bundle = {"CPU": num_cpus} | ({"GPU": gpus} if gpus else {})
+        # a GPU per rank when asked for one, or with `auto` when the cluster has GPUs (this
+        # process may have none); each rank sees only the GPU Ray gives it, and a CPU rank must
+        # not pick up one it was not given
+        cuda = config.device.startswith("cuda") or (
+            config.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+        config, gpus = replace(config, device="cuda" if cuda else "cpu"), float(cuda)
+        bundle = {"CPU": num_cpus} | ({"GPU": gpus} if cuda else {})
         self.placement = placement_group([bundle] * size, strategy="PACK")
         try:
             ray.get(self.placement.ready(), timeout=PLACEMENT_TIMEOUT_S)

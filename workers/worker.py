@@ -142,9 +142,10 @@ class Worker:
         if not plan.work:
             return StepResult()
         self._track_history(plan.work)
+        # Whether there are drafts or verdicts at all follows from the plan alone, so every rank
+        # takes rank 0's, or none has any.
         drafts = self._propose(plan.work)
-        if drafts:   # the plan decides whether there are any, so every rank agrees here or none
-            drafts = self.tp.agree(drafts)
+        drafts = self.tp.agree(drafts) if drafts else drafts
         verifying = {sid for sid, d in drafts.items() if d}
         batch = ForwardBatch.build(
             [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
@@ -152,7 +153,8 @@ class Worker:
             self.config.block_size, self.device)
         capture = self.proposer.capture_layers if self.proposer else ()
         hidden, captured = self.model(batch, self.kv, self.ssm, capture=capture)
-        verdicts = self.tp.agree(self._verdicts(plan.work, batch, drafts, hidden))
+        verdicts = self._verdicts(plan.work, batch, drafts, hidden)
+        verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed = [], []
         for w, rows in zip(plan.work, batch.seqs):
             d = drafts.get(w.seq_id, [])
