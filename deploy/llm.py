@@ -98,7 +98,7 @@ class LLM:
             speculative_method, str(drafter) if drafter else None,
             tensor_parallel_size=tensor_parallel_size, **worker_options)
         if tensor_parallel_size > 1:
-            from metrale.workers.actor import WorkerGroup   # Ray only when it is needed
+            from metrale.workers.group import WorkerGroup   # Ray only when it is needed
             self.worker = WorkerGroup(config)
         else:
             self.worker = Worker(config)

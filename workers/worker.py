@@ -61,7 +61,7 @@ class Worker:
     def __init__(self, config: WorkerConfig, tp: TensorParallel = SINGLE):
         if tp.size != config.tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs a group of "
-                             f"that many ranks (workers.actor.WorkerGroup starts one)")
+                             f"that many ranks (workers.group.WorkerGroup starts one)")
         self.config, self.tp = config, tp
         self.device = config.torch_device
         self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype, tp)
