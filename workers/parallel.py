@@ -71,8 +71,8 @@ def rendezvous_address() -> str:
 
 def join_group(rank: int, size: int, address: str, device: torch.device) -> TensorParallel:
     """Joins the group at `address` (blocks until all `size` ranks have joined)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":   # a Ray actor sees only its own GPU: plain `cuda` is GPU 0
+        torch.cuda.set_device(device.index or 0)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
