@@ -68,7 +68,9 @@ class WorkerGroup:
         return ray.get(self.handles[0].memory_report.remote())
 
     def close(self) -> None:
-        """Stops the ranks and frees their reservation."""
+        """Stops the ranks and frees their reservation (once; later calls do nothing)."""
+        if self._loop.is_closed():
+            return
         for handle in self.handles:
             ray.kill(handle)
         remove_placement_group(self.placement)
