@@ -123,7 +123,9 @@ def drive(executor, model_dir: str, requests: list[list[int]], batch: int, new_t
 
 
 def device_of(args, rank: int) -> str:
-    return "cpu" if args.device == "cpu" else f"cuda:{rank}"
+    if args.device == "cpu":
+        return "cpu"
+    return "cuda" if args.one_gpu_per_rank else f"cuda:{rank}"
 
 
 def worker_config(args, rank: int, size: int) -> WorkerConfig:
@@ -142,6 +144,8 @@ def measure(executor, worker: Worker, args, requests) -> dict:
 
 
 def tp_rank(rank: int, size: int, address: str, args, requests, results) -> None:
+    if args.one_gpu_per_rank:   # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     torch.set_num_threads(args.threads)
     tp = join_group(rank, size, address, torch.device(device_of(args, rank)))
     worker = Worker(worker_config(args, rank, size), tp)
@@ -157,6 +161,8 @@ def tp_rank(rank: int, size: int, address: str, args, requests, results) -> None
 
 def replica(index: int, args, requests, ready, go, results) -> None:
     """One data-parallel replica on GPU `index`: its share of the requests, timed from `go`."""
+    if args.one_gpu_per_rank:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
     torch.set_num_threads(args.threads)
     worker = Worker(worker_config(args, index, 1))
     drive(worker, args.dir, requests[:2], 2, 4)
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda: rank or replica i on GPU i (NCCL); cpu: gloo")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    p.add_argument("--one-gpu-per-rank", action="store_true",
+                   help="each rank sees only its own GPU, as device `cuda` (as Ray actors do)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the workers' dtype (the checkpoint is bfloat16)")
     p.add_argument("--tp", type=int, default=2)
