@@ -46,9 +46,14 @@ class ReplicaSpec:
     worker_restarts: int = -1         # times Ray restarts a dead worker (-1: always)
     restart_timeout_s: float = 600.0  # how long requests wait for a restarting worker
 
+    @property
+    def ranks(self) -> int:
+        """Worker actors per lane: the tensor-parallel size (each actor one bundle, one GPU)."""
+        return self.worker.tensor_parallel_size
+
     def bundles(self) -> list[dict[str, float]]:
         bundle = {"CPU": self.cpus_per_worker, "GPU": self.gpus_per_worker}
-        return [{k: v for k, v in bundle.items() if v}] * self.workers
+        return [{k: v for k, v in bundle.items() if v}] * (self.workers * self.ranks)
 
 
 @dataclass
@@ -67,7 +72,7 @@ class SchedulerActor:
 
     def __init__(self, spec: ReplicaSpec, replica: str, pg: PlacementGroup):
         self.spec, self.replica, self.pg = spec, replica, pg
-        self.handles: list = []
+        self.handles: list = []   # lane i's tensor-parallel ranks are i * ranks .. (i + 1) * ranks - 1
         self.engine: ReplicaEngine | None = None
         self._starting: asyncio.Future | None = None
         self.outboxes: dict[str, list[Delta]] = {}
@@ -139,8 +144,11 @@ class SchedulerActor:
 
     async def _start(self) -> ReplicaEngine:
         spec = self.spec
-        self.handles = [await self._start_worker(rank) for rank in range(spec.workers)]
-        executors = await asyncio.gather(*(ActorExecutor.connect(h) for h in self.handles))
+        self.handles = [await self._start_worker(rank)
+                        for rank in range(spec.workers * spec.ranks)]
+        n = spec.ranks
+        executors = await asyncio.gather(*(ActorExecutor.connect(*self.handles[i:i + n])
+                                           for i in range(0, len(self.handles), n)))
         tokenizer = Tokenizer.from_file(str(Path(spec.worker.model) / "tokenizer.json"))
         self.engine = ReplicaEngine.build(list(executors), spec.scheduler, spec.num_drafts,
                                           tokenizer, max_pending=spec.max_pending,
@@ -156,7 +164,7 @@ class SchedulerActor:
         while True:
             try:
                 return start_worker(spec.worker, self.replica, rank, num_gpus=spec.gpus_per_worker,
-                                    num_cpus=spec.cpus_per_worker,
+                                    num_cpus=spec.cpus_per_worker, tp_rank=rank % spec.ranks,
                                     placement=PlacementGroupSchedulingStrategy(self.pg, rank),
                                     max_restarts=spec.worker_restarts)
             except ValueError:   # the name is taken
@@ -202,7 +210,7 @@ async def start_replica(spec: ReplicaSpec, index: int, timeout_s: float = 600) -
     pg = placement_group(spec.bundles(), strategy="PACK", name=f"metrale-{name}")
     if not await _placed(pg, name, spec, timeout_s):
         remove_placement_group(pg)
-        raise RuntimeError(f"replica {name}: the cluster cannot place {spec.workers} worker(s) of "
+        raise RuntimeError(f"replica {name}: the cluster cannot place {len(spec.bundles())} worker(s) of "
                            f"{spec.bundles()[0]} within {timeout_s:.0f}s (it has "
                            f"{ray.cluster_resources()})")
     handle = ray.remote(SchedulerActor).options(
@@ -226,7 +234,7 @@ async def _placed(pg: PlacementGroup, name: str, spec: ReplicaSpec, timeout_s: f
             return True
         waited += PLACEMENT_NOTE_S
         log.warning("replica %s: waiting %.0fs for %d worker(s) of %s; the cluster has %s free",
-                    name, waited, spec.workers, spec.bundles()[0], ray.available_resources())
+                    name, waited, len(spec.bundles()), spec.bundles()[0], ray.available_resources())
     ready.cancel()
     return False
 

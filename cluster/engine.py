@@ -239,8 +239,8 @@ class ReplicaEngine:
     async def _revive(self, lane: Lane, index: int) -> None:
         try:
             await asyncio.wait_for(lane.executor.reconnect(), self.restart_timeout_s)
-        except (WorkerLost, TimeoutError) as e:
-            log.error("worker %d is not coming back (%s)", index, e or "timed out")
+        except Exception as e:   # WorkerLost, TimeoutError, or a restarted worker failing to load
+            log.error("worker %d is not coming back (%s)", index, e or type(e).__name__)
             lane.state = DOWN
             self._place(lane.scheduler.evacuate())
             return

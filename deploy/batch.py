@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", default=None)
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--workers-per-replica", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=None)
     p.add_argument("--name", default="batch", help="label of the job's actors (default: batch)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         config = MetraleConfig.load(
             args.config, model=args.model, speculative_method=args.speculative_method,
             num_drafts=args.num_drafts, drafter=args.drafter, replicas=args.replicas,
-            workers_per_replica=args.workers_per_replica, name=args.name)
+            workers_per_replica=args.workers_per_replica,
+            tensor_parallel_size=args.tensor_parallel_size, name=args.name)
         load_tokenizer(config.model_path)
         lines = Path(args.input).read_text().splitlines()
     except (ConfigError, CheckpointError, OSError) as e:

@@ -37,6 +37,8 @@ def _generate_parser(sub) -> None:
                    help="drafts per round (default: the DFlash block size - 1, else 3)")
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter directory (default with the bundled model: its drafter)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N worker actors (GPUs) on a local or running Ray")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, per line")
 
 
@@ -55,12 +57,13 @@ def cmd_generate(args) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_bytes=args.kv_cache_mb << 20,
                   speculative_method=args.speculative_method, num_drafts=args.num_drafts,
-                  drafter=drafter)
+                  drafter=drafter, tensor_parallel_size=args.tensor_parallel_size)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"metrale generate: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    outputs = llm.generate(args.prompt, params)
+    with llm:
+        outputs = llm.generate(args.prompt, params)
     elapsed = time.perf_counter() - start
     failed = 0
     for out in outputs:
@@ -144,6 +147,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--num-drafts", type=int, default=None, help="drafts per round")
     p.add_argument("--drafter", default=None, help="DFlash drafter directory")
     p.add_argument("--replicas", type=int, default=None, help="model replicas (data parallel)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="GPUs (worker actors) each replica's model is split over")
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
 
@@ -155,7 +160,7 @@ def cmd_serve(args) -> int:
         config = MetraleConfig.load(
             args.config, model=args.model, speculative_method=args.speculative_method,
             num_drafts=args.num_drafts, drafter=args.drafter, replicas=args.replicas,
-            host=args.host, port=args.port)
+            tensor_parallel_size=args.tensor_parallel_size, host=args.host, port=args.port)
         return run_server(config)
     except (ConfigError, CheckpointError) as e:
         print(f"metrale serve: {e}", file=sys.stderr)

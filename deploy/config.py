@@ -71,8 +71,13 @@ class MetraleConfig(BaseModel):
     # -- the cluster
     replicas: int = Field(1, ge=1, description="Model replicas (data parallel); each has its own "
                           "scheduler actor and placement group.")
-    workers_per_replica: int = Field(1, ge=1, description="Worker actors per replica, one per GPU; "
-                                     "each holds a full copy of the model and its own KV cache.")
+    workers_per_replica: int = Field(1, ge=1, description="Workers per replica, each with its own "
+                                     "copy of the model, KV cache and step loop (each of "
+                                     "tensor_parallel_size actors).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (worker actors) one worker's "
+                                      "model is split over: attention and linear-attention "
+                                      "heads, MLP channels and the vocabulary; head counts must "
+                                      "divide by it. Each actor takes one placement-group bundle.")
     gpus_per_worker: float | None = Field(None, ge=0, description="GPUs each worker takes "
                                           "(fractions share one); default: 1 when the cluster has "
                                           "GPUs, else 0 (CPU workers).")
@@ -159,7 +164,8 @@ class MetraleConfig(BaseModel):
             verify_pool_bytes=self.verify_pool_bytes,
             mtp_confidence_threshold=self.mtp_confidence_threshold,
             self_spec_layers=self.self_spec_layers, dflash_window=self.dflash_window,
-            ngram_min=self.ngram_min, ngram_max=self.ngram_max, **extra)
+            ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+            tensor_parallel_size=self.tensor_parallel_size, **extra)
 
     def scheduler_config(self) -> SchedulerConfig:
         """Drafts per round are filled in from the workers' proposer (ReplicaEngine.build)."""

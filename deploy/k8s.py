@@ -256,12 +256,12 @@ def capacity_problems(cluster: dict, config: MetraleConfig, app: str) -> list[st
                           math.floor(g / gpus + 1e-9) if gpus else math.inf))
                for _, pods, c, g in shapes]
     fits = sum(pods * n for pods, n in per_pod)
-    need = config.replicas * config.workers_per_replica
+    need = config.replicas * config.workers_per_replica * config.tensor_parallel_size
     if fits >= need:
         return []
     pods = ", ".join(f"{name}: {n} pod(s) of {c:g} CPU / {g:g} GPU" for name, n, c, g in shapes)
     return [f"spec.serveConfigV2: application {app!r} needs {need} worker(s) of {cpus:g} CPU / "
-            f"{gpus:g} GPU (replicas x workers_per_replica), but the cluster holds {fits} at most "
+            f"{gpus:g} GPU (replicas x workers_per_replica x tensor_parallel_size), but the cluster holds {fits} at most "
             f"({pods})"]
 
 

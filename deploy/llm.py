@@ -84,21 +84,40 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  prefix_caching: bool = True, speculative_method: str = "none",
                  num_drafts: int | None = None, drafter: str | Path | None = None,
-                 **worker_options):
+                 tensor_parallel_size: int = 1, **worker_options):
         """`worker_options` are further WorkerConfig fields (verify_pool_bytes, max_drafts,
-        mtp_confidence_threshold, self_spec_layers, dflash_window, ngram_min, ngram_max, ...)."""
+        mtp_confidence_threshold, self_spec_layers, dflash_window, ngram_min, ngram_max, ...).
+        With `tensor_parallel_size` N > 1 the model is split over N Ray actors (a local Ray is
+        started when this process is not connected to one); `close()` stops them."""
         self.tokenizer = load_tokenizer(model)
         self.chat_template = read_chat_template(model)
         if num_drafts is not None:
             worker_options.setdefault("max_drafts", max(num_drafts, 1))
-        self.worker = Worker(WorkerConfig(
+        config = WorkerConfig(
             str(model), device, dtype, block_size, kv_cache_bytes, max_num_seqs,
-            speculative_method, str(drafter) if drafter else None, **worker_options))
+            speculative_method, str(drafter) if drafter else None,
+            tensor_parallel_size=tensor_parallel_size, **worker_options)
+        if tensor_parallel_size > 1:
+            from metrale.workers.group import WorkerGroup   # Ray only when it is needed
+            self.worker = WorkerGroup(config)
+        else:
+            self.worker = Worker(config)
         capacity = self.worker.capacity
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching,
                             drafts_per_round(num_drafts, capacity)), capacity, self.tokenizer)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks (nothing to do for a worker in this process)."""
+        if hasattr(self.worker, "close"):
+            self.worker.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt).ids

@@ -163,20 +163,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker actors of the one replica")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="float32 (default) makes greedy text "
+                   "independent of how requests happen to be batched, so any difference from "
+                   "the reference is the failure handling's; in bf16 a near-tie can flip")
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--name", default="soak")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
 
     # the undisturbed reference: greedy text per prompt, in process
-    llm = LLM(args.model, device=args.device, speculative_method=args.speculative_method)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype,
+              speculative_method=args.speculative_method)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     expected = {prompt: (o.token_ids, o.text) for prompt, o in
                 zip(PROMPTS, llm.generate(PROMPTS, params))}
     del llm
 
     config = MetraleConfig(model=args.model, speculative_method=args.speculative_method,
-                           device=args.device, workers_per_replica=args.workers,
+                           device=args.device, dtype=args.dtype,
+                           workers_per_replica=args.workers,
                            cpus_per_worker=1, port=args.port, name=args.name,
                            max_pending_requests=max(256, args.concurrency))
     ray.init(namespace=NAMESPACE, log_to_driver=False, include_dashboard=False)

@@ -17,6 +17,8 @@ from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import load_model
 from metrale.workers.models.loader import load_tokenizer
+from metrale.workers.models.parallel import SINGLE
+from metrale.workers.parallel import TensorParallel
 from metrale.workers.sampler import generator_for, logprobs_of, target_probs
 from metrale.workers.ssm_pool import SSMSlotPool, verify_capacities
 
@@ -41,6 +43,7 @@ class WorkerConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     propose_batch_max: int = 64
+    tensor_parallel_size: int = 1        # ranks (worker processes) one worker's model spans
 
     @property
     def torch_device(self) -> torch.device:
@@ -52,10 +55,16 @@ class WorkerConfig:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig):
-        self.config = config
+    """One rank of a worker: with `tp` of several ranks, each holds its share of the model's heads
+    (and of their KV pages and SSM slots) and runs the same plans; drafters are whole on each."""
+
+    def __init__(self, config: WorkerConfig, tp: TensorParallel = SINGLE):
+        if tp.size != config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs a group of "
+                             f"that many ranks (workers.group.WorkerGroup starts one)")
+        self.config, self.tp = config, tp
         self.device = config.torch_device
-        self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype)
+        self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype, tp)
         cfg = self.model.config
         self.kv = self._make_kv_cache()
         slots = config.max_num_seqs
@@ -87,9 +96,9 @@ class Worker:
 
     def _make_kv_cache(self) -> PagedKVCache:
         cfg, c = self.model.config, self.config
-        layers = len(cfg.full_attention_layers)
-        per_block = PagedKVCache.bytes_per_block(layers, c.block_size, cfg.num_key_value_heads,
-                                                 cfg.head_dim, cfg.dtype)
+        layers, kv_heads = len(cfg.full_attention_layers), self.tp.split(cfg.num_key_value_heads)
+        per_block = PagedKVCache.bytes_per_block(layers, c.block_size, kv_heads, cfg.head_dim,
+                                                 cfg.dtype)
         if layers:
             num_blocks = c.kv_cache_bytes // per_block
         else:   # no attention layers: blocks only count positions
@@ -97,13 +106,15 @@ class Worker:
         if num_blocks < 2:
             raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} holds fewer than two KV blocks "
                              f"of {per_block} bytes")
-        return PagedKVCache(layers, num_blocks, c.block_size, cfg.num_key_value_heads,
-                            cfg.head_dim, cfg.dtype, self.device)
+        return PagedKVCache(layers, num_blocks, c.block_size, kv_heads, cfg.head_dim, cfg.dtype,
+                            self.device)
 
     def _make_ssm_pool(self) -> SSMSlotPool:
         cfg, c = self.model.config, self.config
-        dims = (len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
-                cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        split = self.tp.split   # this rank's heads and their conv channels
+        dims = (len(cfg.linear_attention_layers), split(cfg.linear_conv_dim),
+                cfg.linear_conv_kernel_dim, split(cfg.linear_num_value_heads),
+                cfg.linear_key_head_dim, cfg.linear_value_head_dim)
         capacities = None
         if c.speculative_method != "none":
             per_entry = SSMSlotPool.bytes_per_entry(*dims, cfg.dtype)
@@ -131,7 +142,10 @@ class Worker:
         if not plan.work:
             return StepResult()
         self._track_history(plan.work)
+        # Whether there are drafts or verdicts at all follows from the plan alone, so every rank
+        # takes rank 0's, or none has any.
         drafts = self._propose(plan.work)
+        drafts = self.tp.agree(drafts) if drafts else drafts
         verifying = {sid for sid, d in drafts.items() if d}
         batch = ForwardBatch.build(
             [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
@@ -139,11 +153,12 @@ class Worker:
             self.config.block_size, self.device)
         capture = self.proposer.capture_layers if self.proposer else ()
         hidden, captured = self.model(batch, self.kv, self.ssm, capture=capture)
+        verdicts = self._verdicts(plan.work, batch, drafts, hidden)
+        verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed = [], []
         for w, rows in zip(plan.work, batch.seqs):
             d = drafts.get(w.seq_id, [])
-            outcome = self._accept(w, d, hidden[rows.start + rows.length - 1 - len(d):
-                                               rows.start + rows.length]) if w.sample else None
+            outcome = verdicts.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
             if d and self.ssm is not None:
                 self.ssm.commit(w.slot, accepted)
@@ -199,9 +214,20 @@ class Worker:
         proposals = self.proposer.propose(requests)
         return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}
 
-    def _accept(self, w: SeqWork, drafts: list[int], hidden: torch.Tensor) -> SeqOutcome:
-        """hidden: the rows of the pending token and each draft. Applies the rejection sampler."""
-        logits = self.model.logits(hidden)                     # [k+1, vocab]
+    def _verdicts(self, work: list[SeqWork], batch: ForwardBatch, drafts: dict[int, list[int]],
+                  hidden: torch.Tensor) -> dict[int, SeqOutcome]:
+        """The outcome of every sampling sequence, by id. Each sequence's logits come from its own
+        lm_head call, so they do not depend on which other sequences share the step."""
+        verdicts = {}
+        for w, rows in zip(work, batch.seqs):
+            if w.sample:
+                d = drafts.get(w.seq_id, [])
+                end = rows.start + rows.length
+                verdicts[w.seq_id] = self._accept(w, d, self.model.logits(hidden[end - 1 - len(d):end]))
+        return verdicts
+
+    def _accept(self, w: SeqWork, drafts: list[int], logits: torch.Tensor) -> SeqOutcome:
+        """logits: [k+1, vocab] at the pending token and each draft. Applies the rejection sampler."""
         constraint = self._constraint(w)
         if constraint is not None:
             generated = self._generated(w)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -23,7 +24,7 @@ from metrale.workers.worker import WorkerConfig
 
 pytestmark = pytest.mark.slow
 
-GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
 
 
 def spec(name: str, model_dir, workers: int, **failure) -> ReplicaSpec:
@@ -131,5 +132,26 @@ def test_a_killed_scheduler_restarts_and_serves_new_requests(ray_cluster, expect
         assert again == (want[0], None)
         assert set(old).isdisjoint(new)   # the old workers died with their scheduler
         assert ray.get_actor(scheduler_name(replica.name), namespace=NAMESPACE)
+    finally:
+        stop_replica(replica)
+
+
+def test_a_killed_tensor_parallel_rank_restarts_its_whole_group(ray_cluster, expected):
+    """The surviving rank hangs in a collective with the dead one and its process group cannot
+    take a new member: both restart, form a new group, and the requests re-prefill there."""
+    model_dir, prompts, want = expected
+    tp = spec("tpkill", model_dir, 1)
+    tp = ReplicaSpec(tp.name, replace(tp.worker, tensor_parallel_size=2), tp.scheduler,
+                     tp.num_drafts, tp.workers, cpus_per_worker=0.5)
+    replica = asyncio.run(start_replica(tp, 0))
+    try:
+        async def run():
+            client = ReplicaClient(replica)
+            before = await replica.handle.worker_pids.remote()
+            outs = await kill_worker_after_first_tokens(client, replica, prompts[:2], 1)
+            return outs, before, await replica.handle.worker_pids.remote()
+        outs, before, after = asyncio.run(run())
+        assert outs == [(tokens, None) for tokens in want[:2]]
+        assert set(before).isdisjoint(after)   # both ranks are new processes
     finally:
         stop_replica(replica)

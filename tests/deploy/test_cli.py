@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.llm import LLM
 
@@ -42,3 +44,19 @@ def test_plain_output_and_errors(checkpoint, tmp_path):
     assert r.returncode == 2 and "no such model directory" in r.stderr
     r = metrale("generate", "--model", str(model_dir), "--prompt", "x " * 600, "--json")
     assert r.returncode == 1 and "max_model_len" in json.loads(r.stdout)["error"]
+
+
+@pytest.mark.slow
+def test_generate_with_tensor_parallel_ranks(checkpoint):
+    """Two ranks on a local Ray started by the command: the single-rank output."""
+    model_dir = checkpoint("qwen3_5")
+    r = metrale("generate", "--model", str(model_dir), "--prompt", "def f(x):", "--max-tokens", "9",
+                "--ignore-eos", "--device", "cpu", "--speculative-method", "mtp",
+                "--tensor-parallel-size", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    want = LLM(model_dir, device="cpu").generate(["def f(x):"], SamplingParams(
+        max_tokens=9, temperature=0, ignore_eos=True))[0]
+    assert json.loads(r.stdout)["token_ids"] == want.token_ids
+    r = metrale("generate", "--model", str(checkpoint("qwen3_5-pattern")), "--prompt", "x",
+                "--tensor-parallel-size", "2")
+    assert r.returncode == 2 and "num_key_value_heads=1" in r.stderr

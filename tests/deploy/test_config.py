@@ -55,6 +55,17 @@ def test_cluster_resources_decide_the_worker_device(checkpoint):
     assert shared.bundles()[0]["GPU"] == 0.5
 
 
+def test_tensor_parallel_ranks_take_a_bundle_each(checkpoint):
+    config = MetraleConfig(model=str(checkpoint("qwen3")), workers_per_replica=2,
+                           tensor_parallel_size=2)
+    spec = config.replica_spec(cluster_gpus=8)
+    assert (spec.workers, spec.ranks, spec.worker.tensor_parallel_size) == (2, 2, 2)
+    assert spec.bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 4
+    assert config.with_overrides(tensor_parallel_size=None).tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        config.with_overrides(tensor_parallel_size=0)
+
+
 @pytest.mark.parametrize("content, words", [
     ("replicas: 0\n", "replicas: Input should be greater than or equal to 1"),
     ("modle: x\n", "modle: Extra inputs are not permitted"),

@@ -21,11 +21,14 @@ pytestmark = pytest.mark.slow
 def test_metrale_serve_starts_a_local_ray_serves_and_stops_on_ctrl_c(checkpoint, tmp_path):
     config = tmp_path / "metrale.yaml"
     config.write_text(yaml.safe_dump({"model": str(checkpoint("qwen3")), "device": "cpu",
-                                      "speculative_method": "ngram", "port": 1}))
+                                      "speculative_method": "ngram", "port": 1,
+                                      "cpus_per_worker": 0.5}))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # the model split over two worker actors (gloo on CPU)
     proc = subprocess.Popen([sys.executable, "-m", "metrale.deploy.cli", "serve", "--config",
-                             str(config), "--port", str(port), "--num-drafts", "2"],
+                             str(config), "--port", str(port), "--num-drafts", "2",
+                             "--tensor-parallel-size", "2"],
                             stdout=subprocess.PIPE, stderr=(tmp_path / "err").open("w"), text=True,
                             env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

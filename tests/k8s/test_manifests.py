@@ -186,8 +186,15 @@ def test_a_config_the_cluster_cannot_hold_is_refused(crds):
     body = with_serve_config(rendered("RayService"), lambda c: args(c).update(replicas=5))
     assert problems(crds, body) == [
         "test.yaml, document 1 (RayService metrale): spec.serveConfigV2: application 'metrale' "
-        "needs 5 worker(s) of 1 CPU / 1 GPU (replicas x workers_per_replica), but the cluster holds "
-        "4 at most (head: 1 pod(s) of 0 CPU / 0 GPU, gpu: 4 pod(s) of 4 CPU / 1 GPU)"]
+        "needs 5 worker(s) of 1 CPU / 1 GPU (replicas x workers_per_replica x tensor_parallel_size), "
+        "but the cluster holds 4 at most (head: 1 pod(s) of 0 CPU / 0 GPU, gpu: 4 pod(s) of 4 CPU / "
+        "1 GPU)"]
+    split = with_serve_config(rendered("RayService"),
+                              lambda c: args(c).update(replicas=2, tensor_parallel_size=2))
+    assert problems(crds, split) == []
+    split = with_serve_config(rendered("RayService"),
+                              lambda c: args(c).update(replicas=3, tensor_parallel_size=2))
+    assert "needs 6 worker(s)" in problems(crds, split)[0]
     body = with_serve_config(rendered("RayService"), lambda c: args(c).update(gpus_per_worker=2))
     assert "holds 0 at most" in problems(crds, body)[0]
     body = rendered("RayService")

@@ -10,24 +10,30 @@ from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.models.gated_deltanet import GatedDeltaNet
 from metrale.workers.models.layers import MLP, RMSNorm, Rotary, paged_attention
+from metrale.workers.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead,
+                                             RowParallelLinear, VocabParallelEmbedding)
+from metrale.workers.parallel import TensorParallel
 from metrale.workers.ssm_pool import SSMSlotPool
 
 
 class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm and RoPE; Qwen3.5 adds an output gate and partial RoPE."""
+    """GQA with per-head q/k RMSNorm and RoPE; Qwen3.5 adds an output gate and partial RoPE.
+    Under tensor parallelism each rank holds its share of the query and key/value heads."""
 
-    def __init__(self, cfg: ModelConfig, kv_index: int):
+    def __init__(self, cfg: ModelConfig, kv_index: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.kv_index = kv_index
         self.gated = cfg.family == "qwen3_5"
-        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                    cfg.num_key_value_heads, cfg.head_dim)
-        q_out = self.heads * self.head_dim * (2 if self.gated else 1)
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        heads, kv_heads, self.head_dim = (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.head_dim)
+        self.heads, self.kv_heads = tp.split(heads), tp.split(kv_heads)
+        # per head [query | gate], so a rank's share of whole heads is one contiguous slice
+        q_out = heads * self.head_dim * (2 if self.gated else 1)
+        bias, hidden = cfg.attention_bias, cfg.hidden_size
+        self.q_proj = ColumnParallelLinear(hidden, q_out, bias, tp)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias, tp)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias, tp)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=self.gated)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=self.gated)
 
@@ -48,14 +54,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, cache_index: int):
+    def __init__(self, cfg: ModelConfig, layer_type: str, cache_index: int,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         offset = cfg.family == "qwen3_5"
         if layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, cache_index)
+            self.linear_attn = GatedDeltaNet(cfg, cache_index, tp)
         else:
-            self.self_attn = Attention(cfg, cache_index)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.self_attn = Attention(cfg, cache_index, tp)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
 
@@ -70,25 +77,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         full, linear = cfg.full_attention_layers, cfg.linear_attention_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, t, (full if t == "full_attention" else linear).index(i))
+            DecoderLayer(cfg, t, (full if t == "full_attention" else linear).index(i), tp)
             for i, t in enumerate(cfg.layer_types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.family == "qwen3_5")
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
 
 class CausalLM(nn.Module):
-    """Embeddings, decoder layers and lm_head; parameter names follow the Hugging Face checkpoints."""
+    """Embeddings, decoder layers and lm_head; parameter names follow the Hugging Face checkpoints.
+    With `tp` of several ranks, this rank's shard: hidden states and logits are whole on every rank."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -9,6 +9,9 @@ from torch import nn
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.models.layers import GatedRMSNorm
+from metrale.workers.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear,
+                                             Shard)
+from metrale.workers.parallel import TensorParallel
 from metrale.workers.ssm_pool import SSMSlotPool
 
 
@@ -39,24 +42,34 @@ def gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, pool_index: int):
+    """Under tensor parallelism each rank holds its share of the key and value heads (a key head
+    and the consecutive value heads it serves stay on one rank), with their conv channels."""
+
+    def __init__(self, cfg: ModelConfig, pool_index: int, tp: TensorParallel = SINGLE):
         super().__init__()
         self.pool_index = pool_index
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.num_k_heads = tp.split(cfg.linear_num_key_heads)
+        self.num_v_heads = tp.split(cfg.linear_num_value_heads)
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
         self.kernel = cfg.linear_conv_kernel_dim
-        conv_dim = cfg.linear_conv_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        # q | k | v channels, each split by heads
+        qkv = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
+        hidden, v_heads = cfg.hidden_size, cfg.linear_num_value_heads
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False,
                                 padding=self.kernel - 1)
+        self.conv1d.shards = {"weight": Shard(0, qkv)}
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.shards = {"dt_bias": Shard(0, (v_heads,)), "A_log": Shard(0, (v_heads,))}
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        self.out_proj = RowParallelLinear(cfg.linear_value_dim, hidden, False, tp)
+        self.in_proj_qkv = ColumnParallelLinear(hidden, sum(qkv), False, tp, sections=qkv)
+        self.in_proj_z = ColumnParallelLinear(hidden, cfg.linear_value_dim, False, tp)
+        self.in_proj_b = ColumnParallelLinear(hidden, v_heads, False, tp)
+        self.in_proj_a = ColumnParallelLinear(hidden, v_heads, False, tp)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMSlotPool) -> torch.Tensor:
         n_rows = x.shape[0]

@@ -8,6 +8,8 @@ from torch import nn
 
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
+from metrale.workers.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear
+from metrale.workers.parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -40,11 +42,11 @@ class GatedRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, False, tp)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, False, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

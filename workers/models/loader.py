@@ -11,6 +11,8 @@ from tokenizers import Tokenizer
 
 from metrale.workers.models.config import CheckpointError, ModelConfig
 from metrale.workers.models.decoder import CausalLM
+from metrale.workers.models.parallel import SINGLE, check_divisible, model_shards
+from metrale.workers.parallel import TensorParallel
 
 _LANGUAGE_PREFIX = {"text": "model.", "vl": "model.language_model."}
 _IGNORED_PREFIXES = ("model.visual.",)
@@ -34,14 +36,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_tensors(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_tensors(model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 take=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; `take(file, name)` reads one (part of it: a rank's shard)."""
     tensors = {}
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if not name.startswith(_IGNORED_PREFIXES):
-                        tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                        t = take(f, name) if take else f.get_tensor(name)
+                        tensors[name] = t.to(device=device, dtype=dtype)
         except (OSError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
         except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -49,28 +54,46 @@ def read_tensors(model_dir: Path, device: torch.device, dtype: torch.dtype) -> d
     return tensors
 
 
-def load_model(model_dir: str | Path, device: torch.device | str = "cpu",
-               dtype: str = "auto") -> tuple[CausalLM, dict[str, torch.Tensor]]:
-    """Returns the target model and the checkpoint's `mtp.*` tensors (empty when it has none)."""
+def load_model(model_dir: str | Path, device: torch.device | str = "cpu", dtype: str = "auto",
+               tp: TensorParallel = SINGLE) -> tuple[CausalLM, dict[str, torch.Tensor]]:
+    """Returns the target model (this rank's shard of it) and the checkpoint's `mtp.*` tensors
+    (empty when it has none; whole on every rank)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: no such model directory")
     cfg = ModelConfig.from_dir(model_dir, dtype)
+    check_divisible(cfg, tp.size)
     device = torch.device(device)
-    tensors = read_tensors(model_dir, device, cfg.dtype)
+    with torch.device("meta"):
+        model = CausalLM(cfg, tp)
     prefix = _LANGUAGE_PREFIX[cfg.layout]
+
+    def state_name(name: str) -> str:
+        return "model." + name[len(prefix):] if name.startswith(prefix) else name
+
+    shapes, shards = {k: v.shape for k, v in model.state_dict().items()}, model_shards(model)
+
+    def take(f, name: str) -> torch.Tensor:
+        """A split weight: only this rank's share is read, after checking the whole shape."""
+        key = state_name(name)
+        if key not in shards:
+            return f.get_tensor(name)
+        part = f.get_slice(name)
+        full, want = tuple(part.get_shape()), shards[key].full_shape(shapes[key])
+        if full != want:
+            raise CheckpointError(f"{model_dir}: tensor {key} has shape {full}, config.json "
+                                  f"implies {want}")
+        return shards[key].take(part.__getitem__, tp)
+
+    tensors = read_tensors(model_dir, device, cfg.dtype, take)
     state, mtp = {}, {}
     for name, t in tensors.items():
         if name.startswith("mtp."):
             mtp[name] = t
-        elif name.startswith(prefix):
-            state["model." + name[len(prefix):]] = t
         else:
-            state[name] = t
+            state[state_name(name)] = t
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    with torch.device("meta"):
-        model = CausalLM(cfg)
     expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
