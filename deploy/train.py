@@ -131,7 +131,8 @@ def encode_files(tok: Tokenizer, files: list[Path]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def prepare_data(cfg: TrainConfig, target_dir: Path, data_path: Path) -> tuple[Tokenizer, torch.Tensor]:
+def prepare_data(cfg: TrainConfig, target_dir: Path,
+                 data_path: Path) -> tuple[Tokenizer, torch.Tensor]:
     """The `data` stage: tokenizer, held-out manifest and the encoded training files, written so
     that later stages can run on a machine whose interpreter has another standard library."""
     train_files, held_files, root = stdlib_files(cfg)
@@ -153,6 +154,7 @@ def prepare_data(cfg: TrainConfig, target_dir: Path, data_path: Path) -> tuple[T
 
 
 def load_data(target_dir: Path, data_path: Path) -> tuple[Tokenizer, torch.Tensor]:
+    """What the `data` stage wrote: the tokenizer and the encoded training files."""
     if not data_path.is_file():
         raise FileNotFoundError(f"{data_path} is missing: run the 'data' stage first")
     tokens = torch.from_numpy(np.fromfile(data_path, dtype=np.uint16).astype(np.int64))
