@@ -93,11 +93,13 @@ def _train_parser(sub) -> None:
     p.add_argument("--out", required=True, help="output directory (gets target/ and dflash/)")
     p.add_argument("--tiny", action="store_true", help="a few steps of a tiny configuration")
     p.add_argument("--device", default="auto")
-    p.add_argument("--stages", default="target,mtp,dflash",
-                   help="comma-separated stages; drafter stages alone reuse out/target")
-    p.add_argument("--stage-seconds", type=float, default=None,
-                   help="stop a stage early past this many seconds (the log records the steps)")
-    for name in ("target-steps", "mtp-steps", "dflash-steps", "batch", "seq-len"):
+    p.add_argument("--stages", default="data,target,mtp,dflash",
+                   help="comma-separated stages; later stages alone reuse what earlier ones wrote "
+                        "in --out (data: tokenizer, held-out manifest, encoded corpus)")
+    p.add_argument("--stage-seconds", default=None,
+                   help="time budgets, e.g. target=230,mtp=100: a stage stops early past its "
+                        "budget (the log records the steps)")
+    for name in ("target-steps", "mtp-steps", "dflash-steps", "rollouts", "batch", "seq-len"):
         p.add_argument(f"--{name}", type=int, default=None)
 
 
@@ -108,10 +110,14 @@ def cmd_train(args) -> int:
     from metrale.deploy.train import TrainConfig, build
     cfg = TrainConfig.tiny(Path(args.out)) if args.tiny else TrainConfig(Path(args.out))
     overrides = {k: v for k, v in vars(args).items()
-                 if k in ("target_steps", "mtp_steps", "dflash_steps", "batch", "seq_len")
-                 and v is not None}
+                 if k in ("target_steps", "mtp_steps", "dflash_steps", "rollouts", "batch",
+                          "seq_len") and v is not None}
+    budgets = None
+    if args.stage_seconds:
+        budgets = {stage: float(seconds) for stage, seconds in
+                   (item.split("=") for item in args.stage_seconds.split(","))}
     cfg = replace(cfg, device=args.device if args.device != "auto" else cfg.device,
-                  stage_seconds=args.stage_seconds, **overrides)
+                  stage_seconds=budgets, **overrides)
     print(json.dumps(build(cfg, tuple(args.stages.split(","))), indent=2))
     return 0
 

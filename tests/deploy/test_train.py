@@ -30,9 +30,12 @@ def test_training_writes_loadable_checkpoints(trained):
     assert set(json.loads((dflash / "config.json").read_text())["dflash_config"]) == {
         "mask_token_id", "target_layer_ids"}
     log = json.loads((trained / "training.json").read_text())
-    assert log["runs"][-1]["steps"] == {"target": 3, "mtp": 2, "dflash": 2}
+    # 6 rollouts in batches of 4: 2 batches
+    assert log["runs"][-1]["steps"] == {"data": 1, "target": 3, "rollouts": 2, "mtp": 2,
+                                        "dflash": 2}
     manifest = json.loads((target / "heldout.json").read_text())
     assert manifest["heldout"], "the smoke configuration holds out some files"
+    assert (trained / "data" / "train_tokens.u16").stat().st_size == 2 * manifest["train_tokens"]
 
 
 def test_trained_model_matches_transformers_and_speculation_is_exact(trained):
@@ -53,8 +56,11 @@ def test_trained_model_matches_transformers_and_speculation_is_exact(trained):
         assert out.token_ids == ours.token_ids and out.spec.rounds > 0
 
 
-def test_training_is_deterministic(trained, tmp_path):
-    build(TrainConfig.tiny(tmp_path))
+def test_training_is_deterministic_and_stages_can_run_apart(trained, tmp_path):
+    """The data stage alone, then the model stages from what it wrote (as on a GPU machine whose
+    interpreter has another standard library), give the same files as one run of all stages."""
+    build(TrainConfig.tiny(tmp_path), ("data",))
+    build(TrainConfig.tiny(tmp_path), ("target", "mtp", "dflash"))
     for name in ("target/tokenizer.json", "target/model.safetensors",
                  "target/model-mtp.safetensors", "dflash/model.safetensors"):
         assert (tmp_path / name).read_bytes() == (trained / name).read_bytes(), name
