@@ -108,8 +108,11 @@ class SchedulerActor:
         if self.engine is not None:
             self.engine.abort(request_id)
 
-    async def poll(self, consumer: str) -> bytes:
-        """The consumer's deltas since its last poll, as soon as there are any."""
+    async def poll(self, consumer: str, aborts: list[str] = ()) -> bytes:
+        """Aborts the consumer's requests in `aborts`, then returns its deltas since its last
+        poll, as soon as there are any."""
+        for request_id in aborts:
+            self.abort(request_id)
         arrived = self.arrived.setdefault(consumer, asyncio.Event())
         self.last_poll[consumer] = time.monotonic()
         try:

@@ -18,12 +18,17 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaClient:
-    """One long poll per replica carries every request's deltas; each request has a queue."""
+    """One long poll per replica carries every request's deltas; each request has a queue.
+
+    Serve cancels the Ray tasks that a disconnected HTTP request started, which may include an
+    abort sent while that request ends, or the shared poll. So an abort also rides on the next
+    poll, and a cancelled poll is sent again with the same aborts, until one gets through."""
 
     def __init__(self, replica: Replica):
         self.replica = replica
         self.consumer = uuid.uuid4().hex
         self.queues: dict[str, asyncio.Queue[Delta]] = {}
+        self.aborts: set[str] = set()
         self._poller: asyncio.Task | None = None
 
     @property
@@ -45,27 +50,36 @@ class ReplicaClient:
             raise Unavailable(f"replica {self.replica.name} is restarting; retry") from e
         except BaseException:   # e.g. the HTTP client left while the request was being queued
             del self.queues[request_id]
-            self.replica.handle.abort.remote(request_id)
+            self.abort(request_id)
             raise
         if refusal is not None:
             del self.queues[request_id]
             kind, message = refusal
             raise {"invalid": RequestError, "overloaded": Overloaded,
                    "unavailable": Unavailable}[kind](message)
+        self._ensure_polling()
+        return RequestStream(self, request_id, queue, params.n)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts the request now, and again with the next poll (the direct call may be
+        cancelled along with the HTTP request that made it)."""
+        self.aborts.add(request_id)
+        self.replica.handle.abort.remote(request_id)
+        self._ensure_polling()
+
+    def _ensure_polling(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll())
-        return RequestStream(self, request_id, queue, params.n)
 
     async def state(self) -> dict:
         return await self.replica.handle.state.remote()
 
     async def _poll(self) -> None:
-        while self.queues:
+        while self.queues or self.aborts:
+            aborts = sorted(self.aborts)
             try:
-                data = await self.replica.handle.poll.remote(self.consumer)
-            except ray.exceptions.TaskCancelledError:
-                # Serve cancels the Ray tasks a disconnected HTTP request started, and this poll
-                # may count as one of them; the replica is fine and kept the deltas
+                data = await self.replica.handle.poll.remote(self.consumer, aborts)
+            except ray.exceptions.TaskCancelledError:   # see the class's docstring
                 continue
             except Exception as e:  # the replica's scheduler died: its requests end, retryable
                 log.error("replica %s failed: %s", self.replica.name, e)
@@ -75,7 +89,9 @@ class ReplicaClient:
                                            "restarting; retry the request",
                                            error_type="unavailable"))
                 self.queues.clear()
+                self.aborts.clear()   # the restarted replica holds none of them
                 return
+            self.aborts.difference_update(aborts)
             for delta in unpack(list[Delta], data):
                 queue = self.queues.get(delta.request_id)
                 if queue is not None:
@@ -113,4 +129,4 @@ class RequestStream:
         if self.open:
             self.open = 0
             self.client.queues.pop(self.request_id, None)
-            self.client.replica.handle.abort.remote(self.request_id)
+            self.client.abort(self.request_id)

@@ -50,6 +50,9 @@ class ResponseFormat(BaseModel):
         return GrammarSpec(self.type, value, strict is not False)
 
 
+MAX_N = 128   # completions per request, as OpenAI allows
+
+
 class SamplingRequest(BaseModel):
     """Fields /v1/completions and /v1/chat/completions share; unknown fields are ignored."""
     model_config = ConfigDict(extra="ignore")
@@ -70,6 +73,8 @@ class SamplingRequest(BaseModel):
     response_format: ResponseFormat | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
