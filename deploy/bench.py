@@ -16,7 +16,7 @@ from ray import serve
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.config import MetraleConfig
 from metrale.deploy.llm import LLM
-from metrale.deploy.serve import APP_NAME, build_app
+from metrale.deploy.serve import APP_NAME, build_app, wait_healthy
 from metrale.workers.actor import NAMESPACE
 
 PROMPT_WORDS = ["alpha", "engine", "serves", "tokens", "before", "blocks", "are", "ready"]
@@ -64,16 +64,6 @@ async def over_http(url: str, model: str, texts: list[str], concurrency: int, ma
         return tokens / (time.perf_counter() - start)
 
 
-def wait_healthy(url: str) -> None:
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m metrale.deploy.bench", description=__doc__)
     p.add_argument("--model", required=True)
@@ -107,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.host}:{config.port}"
-    wait_healthy(url)
+    if error := wait_healthy(url):
+        raise SystemExit(f"bench: {error}")
     asyncio.run(over_http(url, config.model_name, warmup, 4, 8, args.stream))
     http = {c: max(asyncio.run(over_http(url, config.model_name, texts[c], c, args.max_tokens,
                                          args.stream)) for _ in range(args.repeat))

@@ -389,7 +389,7 @@ def run_server(config: MetraleConfig) -> int:
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
-        error = _wait_healthy(url, stop)
+        error = wait_healthy(url, stop)
         if error:
             print(f"metrale serve: {error}", file=sys.stderr)
             return 1
@@ -405,8 +405,9 @@ def run_server(config: MetraleConfig) -> int:
         ray.shutdown()
 
 
-def _wait_healthy(url: str, stop: threading.Event) -> str | None:
-    """None once /health answers 200 (or a signal arrived); the startup error if startup failed."""
+def wait_healthy(url: str, stop: threading.Event | None = None) -> str | None:
+    """None once /health answers 200 (or `stop` is set); the startup error if startup failed."""
+    stop = stop or threading.Event()
     while not stop.is_set():
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5):

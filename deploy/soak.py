@@ -24,11 +24,10 @@ from ray import serve
 
 from metrale.cluster.actor import scheduler_name
 from metrale.cluster.params import SamplingParams
-from metrale.deploy.bench import wait_healthy
 from metrale.deploy.bundled import BUNDLED_MODEL
 from metrale.deploy.config import MetraleConfig
 from metrale.deploy.llm import LLM
-from metrale.deploy.serve import APP_NAME, build_app
+from metrale.deploy.serve import APP_NAME, build_app, wait_healthy
 from metrale.workers.actor import NAMESPACE
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def ",
@@ -188,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{config.host}:{config.port}"
-    wait_healthy(url)
+    if error := wait_healthy(url):
+        raise SystemExit(f"soak: {error}")
     report = Report(args.requests, args.concurrency, args.kill_every, args.workers)
     print(f"soak: {args.requests} requests at concurrency {args.concurrency}, a worker of "
           f"{args.workers} killed every {args.kill_every:.0f}s", flush=True)

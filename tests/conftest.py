@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import socket
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -69,6 +72,23 @@ def dflash_drafter(checkpoint, tmp_path_factory):
                 tmp_path_factory.mktemp(f"dflash-{name}"), checkpoint(name), block_size=block_size)
         return built[key]
     return get
+
+
+def wait_for_200(url: str, timeout_s: float, proc=None, log: Path | None = None) -> None:
+    """Polls `url` until it answers 200; fails (early, if `proc` exits) showing `log`, else the
+    last answer."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            answer = httpx.get(url)
+            if answer.status_code == 200:
+                return
+            last = answer.text
+        except httpx.TransportError as e:
+            last = repr(e)
+        assert (proc is None or proc.poll() is None) and time.time() < deadline, \
+            log.read_text() if log else last
+        time.sleep(0.5)
 
 
 def free_port() -> int:

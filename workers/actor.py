@@ -103,11 +103,13 @@ class ActorExecutor:
 
     async def execute(self, plan: StepPlan) -> StepResult:
         data = pack(plan)
-        return unpack(StepResult, (await self._on_every_rank("execute", data))[0])
+        results = await self._on_every_rank(lambda rank, life: rank.execute.remote(data, life))
+        return unpack(StepResult, results[0])
 
     async def ping(self) -> None:
         try:
-            found = await asyncio.wait_for(self._on_every_rank("ping"), PING_TIMEOUT_S)
+            found = await asyncio.wait_for(
+                self._on_every_rank(lambda rank, _: rank.ping.remote()), PING_TIMEOUT_S)
         except TimeoutError:
             self.survivors = list(range(len(self.handles)))
             raise WorkerLost("no answer to a ping") from None
@@ -154,15 +156,13 @@ class ActorExecutor:
         except ValueError:   # dead for good
             pass
 
-    async def _on_every_rank(self, method: str, *args) -> list:
-        """Calls `method` on every rank (execute with the incarnation each is expected to be in).
+    async def _on_every_rank(self, call) -> list:
+        """`call(handle, incarnation)` on every rank, each with the incarnation it should be in.
         A rank that dies raises WorkerLost at once, without waiting for the others, which may
         hang in a collective with it; they are noted as survivors of the broken group. A rank
         whose collective failed is often the first sign of a peer's death, so an error that is
         not a death waits a moment for the other ranks before it is raised as it is."""
-        calls = [asyncio.ensure_future(getattr(h, method).remote(
-                     *args, *((i,) if method == "execute" else ())))
-                 for h, i in zip(self.handles, self.incarnations)]
+        calls = [asyncio.ensure_future(call(h, i)) for h, i in zip(self.handles, self.incarnations)]
         _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
         errors = self._errors(calls)
         if errors and pending and not any(map(_is_death, errors.values())):

@@ -9,13 +9,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_for_200
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.llm import LLM
 
@@ -50,15 +48,7 @@ def head():
          *[f"--{name}={port}" for name, port in ports.items()]],
         env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{ports['dashboard-port']}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(f"{address}/api/version").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.time() < deadline, (temp / "head.log").read_text()
-        time.sleep(0.5)
+    wait_for_200(f"{address}/api/version", 120, proc, temp / "head.log")
     yield address
     proc.terminate()   # --block drains the node and stops every process it started
     proc.wait(timeout=60)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
 
-from conftest import PROMPTS, free_port
+from conftest import PROMPTS, free_port, wait_for_200
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.config import MetraleConfig
 from metrale.deploy.llm import LLM
@@ -48,10 +48,7 @@ def server(ray_cluster, checkpoint):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="metrale", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while httpx.get(f"{url}/health").status_code != 200:
-        assert time.time() < deadline, httpx.get(f"{url}/health").text
-        time.sleep(0.5)
+    wait_for_200(f"{url}/health", 180)
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="ngram", num_drafts=3)
     llm.name = Path(model_dir).name
     yield url, llm

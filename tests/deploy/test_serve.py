@@ -19,7 +19,7 @@ import yaml
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
-from conftest import PROMPTS, free_port
+from conftest import PROMPTS, free_port, wait_for_200
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.chat import ChatTemplate
 from metrale.deploy.llm import LLM
@@ -49,10 +49,7 @@ def server(ray_cluster, checkpoint, dflash_drafter, tmp_path_factory):
     serve.run(getattr(importlib.import_module(module), attr)(app.args), name=app.name,
               route_prefix=app.route_prefix)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while httpx.get(f"{url}/health").status_code != 200:
-        assert time.time() < deadline, httpx.get(f"{url}/health").text
-        time.sleep(0.5)
+    wait_for_200(f"{url}/health", 180)
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="dflash", drafter=drafter)
     yield url, model_dir, drafter, llm
     serve.shutdown()

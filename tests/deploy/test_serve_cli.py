@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import free_port, wait_for_200
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +32,7 @@ def test_metrale_serve_starts_a_local_ray_serves_and_stops_on_ctrl_c(checkpoint,
                             env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 150
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "err").read_text()
-            time.sleep(0.5)
+        wait_for_200(f"{url}/health", 150, proc, tmp_path / "err")
         assert proc.stdout.readline().strip() == \
             f"metrale: serving '{checkpoint('qwen3').name}' at {url}/v1 (Ctrl-C to stop)"
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 5},
