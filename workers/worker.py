@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,8 @@ class WorkerConfig:
     ngram_max: int = 4
     propose_batch_max: int = 64
     tensor_parallel_size: int = 1        # ranks (worker processes) one worker's model spans
+    attention_backend: str = "auto"      # auto | torch | triton (auto: triton on CUDA)
+    cuda_graphs: bool = True             # replay captured decode/verify steps on CUDA
 
     @property
     def torch_device(self) -> torch.device:
@@ -172,6 +176,32 @@ class Worker:
         if self.proposer:
             self.proposer.commit(committed)
         return StepResult(outcomes)
+
+    @torch.inference_mode()
+    def time_forward(self, batch_size: int, rows: int, context_len: int, iters: int = 20) -> float:
+        """Median milliseconds of one target forward over `batch_size` sequences of `rows` rows
+        each (1: a decode step, k+1: a verify of k drafts) after `context_len` cached tokens,
+        logits of every row included; the same path `execute` takes. For benchmarks: it writes
+        dummy tokens into blocks from 0 and slots from 0, so run it on a worker serving nothing."""
+        bs, total = self.config.block_size, context_len + rows
+        per_seq = -(-total // bs)
+        if batch_size * per_seq > self.kv.num_blocks or batch_size > self.config.max_num_seqs:
+            raise ValueError(f"{batch_size} sequences of {total} tokens do not fit this worker")
+        verify = rows > 1 and self.ssm is not None
+        if verify and any(c < rows - 1 for c in self.ssm.capacity[:batch_size]):
+            raise ValueError(f"a verify of {rows} rows needs max_drafts >= {rows - 1}")
+        chunks = [([1] * rows, context_len, list(range(i * per_seq, (i + 1) * per_seq)), i, verify)
+                  for i in range(batch_size)]
+        times = []
+        for _ in range(iters + 3):
+            start = time.perf_counter()
+            batch = ForwardBatch.build(chunks, bs, self.device)
+            hidden, _ = self.model(batch, self.kv, self.ssm)
+            self.model.logits(hidden)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[3:]) * 1000
 
     def _track_history(self, work: list[SeqWork]) -> None:
         fresh = [w.slot for w in work if w.context_len == 0]
