@@ -29,6 +29,14 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long: flat KV index (block * block_size + offset) of each row
     seqs: list[SeqRows]
     block_size: int
+    # The same per-sequence facts as device tensors, for kernels (and CUDA graphs) that must not
+    # read host values: first row, row count, cached tokens, padded block tables, SSM slots.
+    q_start: torch.Tensor | None = None       # [S] int32
+    q_len: torch.Tensor | None = None         # [S] int32
+    context_lens: torch.Tensor | None = None  # [S] int32
+    block_tables: torch.Tensor | None = None  # [S, W] int32
+    slots: torch.Tensor | None = None         # [S] long
+    backend: str = "torch"                    # torch | triton: how attention and DeltaNet run
 
     @property
     def uniform_length(self) -> int | None:
@@ -36,18 +44,32 @@ class ForwardBatch:
         lengths = {s.length for s in self.seqs}
         return lengths.pop() if len(lengths) == 1 else None
 
+    @property
+    def max_q_len(self) -> int:
+        return max(s.length for s in self.seqs)
+
     @classmethod
-    def build(cls, chunks: list[tuple], block_size: int,
-              device: torch.device) -> "ForwardBatch":
+    def build(cls, chunks: list[tuple], block_size: int, device: torch.device,
+              backend: str = "torch") -> "ForwardBatch":
         """`chunks[i] = (token_ids, context_len, block_table, slot[, verify])` per sequence."""
-        ids, pos, slots, seqs = [], [], [], []
+        ids, pos, slot_mapping, seqs = [], [], [], []
         for tokens, ctx, table, slot, *verify in chunks:
             p = range(ctx, ctx + len(tokens))
             ids.extend(tokens)
             pos.extend(p)
-            slots.extend(table[i // block_size] * block_size + i % block_size for i in p)
+            slot_mapping.extend(table[i // block_size] * block_size + i % block_size for i in p)
             seqs.append(SeqRows(len(ids) - len(tokens), len(tokens), ctx,
                                 torch.tensor(table, dtype=torch.long, device=device), slot,
                                 bool(verify and verify[0])))
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        return cls(as_long(ids), as_long(pos), as_long(slots), seqs, block_size)
+        batch = cls(as_long(ids), as_long(pos), as_long(slot_mapping), seqs, block_size,
+                    backend=backend)
+        if backend != "torch":
+            width = max(len(c[2]) for c in chunks)
+            tables = [list(c[2]) + [0] * (width - len(c[2])) for c in chunks]
+            meta = torch.tensor([[s.start for s in seqs], [s.length for s in seqs],
+                                 [s.context_len for s in seqs]], dtype=torch.int32).to(device)
+            batch.q_start, batch.q_len, batch.context_lens = meta.unbind()   # contiguous rows
+            batch.slots = torch.tensor([s.slot for s in seqs], dtype=torch.long).to(device)
+            batch.block_tables = torch.tensor(tables, dtype=torch.int32).to(device)
+        return batch

@@ -35,9 +35,21 @@ class SSMSlotPool:
         for cap in self.capacity:
             self.offset.append(total)
             total += cap + 1 if cap else 0
+        self.offsets = torch.tensor(self.offset, dtype=torch.long, device=device)
         self.verify_conv = torch.zeros(num_layers, total, *conv_shape, dtype=dtype, device=device)
         self.verify_state = torch.zeros(num_layers, total, *state_shape, dtype=torch.float32,
                                         device=device)
+
+    def check_verify(self, seqs) -> None:
+        """Refuses a verify deeper than its slot's pool (host values only: graph-safe)."""
+        for s in seqs:
+            if s.verify and s.length > self.capacity[s.slot] + 1:
+                raise ValueError(f"verify of {s.length} rows overflows slot {s.slot} "
+                                 f"(capacity {self.capacity[s.slot]} drafts)")
+
+    def entries(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """Verify-pool entries [B, L] of the slots: entry i holds the state after row i."""
+        return self.offsets[slots][:, None] + torch.arange(length, device=slots.device)[None, :]
 
     @staticmethod
     def bytes_per_entry(num_layers: int, conv_dim: int, conv_kernel: int, num_heads: int,
@@ -71,6 +83,7 @@ class SSMSlotPool:
         view = SSMSlotPool.__new__(SSMSlotPool)
         idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
         view.num_slots, view.capacity, view.offset = len(slots), [0] * len(slots), [0] * len(slots)
+        view.offsets = torch.zeros(len(slots), dtype=torch.long, device=idx.device)
         view.conv, view.state = self.conv[:layers, idx].clone(), self.state[:layers, idx].clone()
         view.verify_conv, view.verify_state = self.verify_conv[:0], self.verify_state[:0]
         return view

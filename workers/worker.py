@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from metrale.drafting.rejection import verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
-from metrale.workers.models import load_model
+from metrale.workers.models import kernels, load_model
 from metrale.workers.models.loader import load_tokenizer
 from metrale.workers.models.parallel import SINGLE
 from metrale.workers.parallel import TensorParallel
@@ -58,6 +59,20 @@ class WorkerConfig:
         return torch.device(self.device)
 
 
+def attention_backend(requested: str, device: torch.device) -> str:
+    """The kernels a worker runs: Triton on CUDA when it imports (or under Triton's CPU
+    interpreter, for tests), else plain torch."""
+    triton_runs = kernels.available() and (device.type == "cuda"
+                                            or os.environ.get("TRITON_INTERPRET") == "1")
+    if requested == "auto":
+        return "triton" if triton_runs and device.type == "cuda" else "torch"
+    if requested == "triton" and not triton_runs:
+        raise ValueError("attention_backend='triton' needs Triton and a CUDA device")
+    if requested not in ("torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, not {requested!r}")
+    return requested
+
+
 class Worker:
     """One rank of a worker: with `tp` of several ranks, each holds its share of the model's heads
     (and of their KV pages and SSM slots) and runs the same plans; drafters are whole on each."""
@@ -68,6 +83,7 @@ class Worker:
                              f"that many ranks (workers.group.WorkerGroup starts one)")
         self.config, self.tp = config, tp
         self.device = config.torch_device
+        self.backend = attention_backend(config.attention_backend, self.device)
         self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype, tp)
         cfg = self.model.config
         self.kv = self._make_kv_cache()
@@ -154,7 +170,7 @@ class Worker:
         batch = ForwardBatch.build(
             [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
               w.seq_id in verifying and self.ssm is not None) for w in plan.work],
-            self.config.block_size, self.device)
+            self.config.block_size, self.device, self.backend)
         capture = self.proposer.capture_layers if self.proposer else ()
         hidden, captured = self.model(batch, self.kv, self.ssm, capture=capture)
         verdicts = self._verdicts(plan.work, batch, drafts, hidden)
@@ -195,7 +211,7 @@ class Worker:
         times = []
         for _ in range(iters + 3):
             start = time.perf_counter()
-            batch = ForwardBatch.build(chunks, bs, self.device)
+            batch = ForwardBatch.build(chunks, bs, self.device, self.backend)
             hidden, _ = self.model(batch, self.kv, self.ssm)
             self.model.logits(hidden)
             if self.device.type == "cuda":

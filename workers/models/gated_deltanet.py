@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.workers.batch import ForwardBatch
+from metrale.workers.models import kernels
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.models.layers import GatedRMSNorm
 from metrale.workers.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear,
@@ -78,20 +79,21 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         core = torch.empty(n_rows, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        pool.check_verify(batch.seqs)
         for rows, slots, verify in _groups(batch, x.device):
-            out = self._mix(mixed[rows], g[rows], beta[rows], slots, pool, verify)
+            out = self._mix(mixed[rows], g[rows], beta[rows], slots, pool, verify, batch.backend)
             core[rows] = out.to(x.dtype)
         out = self.norm(core, z).reshape(n_rows, self.value_dim)
         return self.out_proj(out)
 
-    def _mix(self, mixed, g, beta, slots, pool, verify: bool):
+    def _mix(self, mixed, g, beta, slots, pool, verify: bool, backend: str):
         """mixed: [B, L, conv_dim] for B sequences of L rows each. Updates their slots in place, or
         with `verify` writes the state after each row into the slots' verify-pool entries 0..L-1."""
         n_seq, length, _ = mixed.shape
         layer = self.pool_index
         window = torch.cat((pool.conv[layer, slots], mixed.transpose(1, 2).to(pool.conv.dtype)), -1)
         if verify:
-            entries = _verify_entries(pool, slots, length)
+            entries = pool.entries(slots, length)
             # the conv window after row t is columns t+1 .. t+K-1 of the extended window
             per_row = window.unfold(-1, self.kernel - 1, 1)[:, :, 1:]      # [B, C, L, K-1]
             pool.verify_conv[layer, entries] = per_row.permute(0, 2, 1, 3)
@@ -105,6 +107,8 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
         k = k.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
         v = v.reshape(n_seq, length, self.num_v_heads, self.head_v_dim)
+        if backend == "triton":
+            return self._mix_on_gpu(q, k, v, g, beta, slots, pool, entries if verify else None)
         if self.num_v_heads != self.num_k_heads:  # each key head serves consecutive value heads
             rep = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
@@ -116,15 +120,35 @@ class GatedDeltaNet(nn.Module):
             pool.state[layer, slots] = state
         return out
 
+    def _mix_on_gpu(self, q, k, v, g, beta, slots, pool, entries):
+        """The recurrence in Triton, reading and writing the pool in place; long chunks without a
+        verify go to flash-linear-attention's chunked kernel when it is installed."""
+        layer, n_seq, length = self.pool_index, q.shape[0], q.shape[1]
+        chunk = _fla_chunk() if entries is None and length >= FLA_CHUNK_MIN_ROWS else None
+        if chunk is None:
+            keep = pool.verify_state[layer] if entries is not None else None
+            return kernels.gated_delta_rule(q, k, v, g.view(n_seq, length, -1),
+                                            beta.view(n_seq, length, -1), pool.state[layer],
+                                            slots, keep, entries)
+        rep = self.num_v_heads // self.num_k_heads
+        out, state = chunk(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v,
+                           g.view(n_seq, length, -1).float(), beta.view(n_seq, length, -1).float(),
+                           scale=self.head_k_dim ** -0.5, initial_state=pool.state[layer, slots],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        pool.state[layer, slots] = state
+        return out
 
-def _verify_entries(pool: SSMSlotPool, slots: torch.Tensor, length: int) -> torch.Tensor:
-    """Verify-pool entries [B, L] of the slots: entry i holds the state after row i."""
-    for s in slots.tolist():
-        if length > pool.capacity[s] + 1:
-            raise ValueError(f"verify of {length} rows overflows slot {s} "
-                             f"(capacity {pool.capacity[s]} drafts)")
-    offsets = torch.tensor([pool.offset[s] for s in slots.tolist()], device=slots.device)
-    return offsets[:, None] + torch.arange(length, device=slots.device)[None, :]
+
+def _fla_chunk():
+    """flash-linear-attention's chunked recurrence for long chunks (prefill), when installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+FLA_CHUNK_MIN_ROWS = 64   # shorter chunks (decode, verify, short prefill) run token by token
 
 
 def _groups(batch: ForwardBatch, device):
@@ -133,6 +157,11 @@ def _groups(batch: ForwardBatch, device):
     groups: dict[tuple[int, bool], list] = {}
     for s in batch.seqs:
         groups.setdefault((s.length, s.verify), []).append(s)
+    if len(groups) == 1 and batch.slots is not None:   # decode or verify: from device tensors
+        (length, verify), = groups
+        rows = torch.arange(len(batch.seqs) * length, device=device).view(-1, length)
+        yield rows, batch.slots, verify
+        return
     for (length, verify), seqs in groups.items():
         starts = torch.tensor([s.start for s in seqs], device=device)
         rows = starts[:, None] + torch.arange(length, device=device)[None, :]

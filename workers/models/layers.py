@@ -8,6 +8,7 @@ from torch import nn
 
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
+from metrale.workers.models import kernels
 from metrale.workers.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear
 from metrale.workers.parallel import TensorParallel
 
@@ -86,6 +87,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     if cache is None:
         return _attend_rows(q, k, v, batch, scale)
     cache.write(layer, batch, k, v)
+    if batch.backend == "triton":
+        return kernels.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
+                                       batch.q_start, batch.q_len, batch.context_lens,
+                                       batch.max_q_len, scale)
     if batch.uniform_length is not None and len(batch.seqs) > 1:
         return _attend_padded(q, cache, layer, batch, scale)
     out = torch.empty_like(q)

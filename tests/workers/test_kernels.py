@@ -1,0 +1,117 @@
+"""The Triton kernels against the torch reference: paged attention (prefill, decode, verify,
+non-causal blocks, GQA groups that are not powers of two) and the Gated DeltaNet recurrence with
+and without per-token verify states. On a GPU; on CPU only under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metrale.workers.models import kernels
+from metrale.workers.models.gated_deltanet import gated_delta_rule
+
+if not kernels.available():
+    pytest.skip("triton is not installed", allow_module_level=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU (set TRITON_INTERPRET=1 to run the kernels on CPU)", allow_module_level=True)
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def reference_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, scale, causal):
+    out = torch.full_like(q, float("nan"))
+    page = k_cache.shape[1]
+    for s in range(len(q_len)):
+        n, c, start = int(q_len[s]), int(ctx[s]), int(q_start[s])
+        total = c + n
+        blocks = tables[s, : (total + page - 1) // page]
+        keys = k_cache[blocks].flatten(0, 1)[:total].float()
+        values = v_cache[blocks].flatten(0, 1)[:total].float()
+        q_pos = torch.arange(c, total, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+        if not causal:
+            mask = torch.ones_like(mask)
+        out[start:start + n] = F.scaled_dot_product_attention(
+            q[start:start + n].float().transpose(0, 1), keys.transpose(0, 1),
+            values.transpose(0, 1), attn_mask=mask, scale=scale,
+            enable_gqa=True).transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 8, 128), (10, 2, 64), (8, 2, 256)])
+@pytest.mark.parametrize("lengths,causal", [([1, 1, 1], True), ([8, 8], True), ([37, 5, 1], True),
+                                            ([9, 9], False)])
+def test_paged_attention(dtype, heads, kv_heads, dim, lengths, causal):
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(len(lengths) * heads + dim)
+    page, num_blocks = 16, 64
+    k_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
+    ctx = torch.tensor([70, 3, 200][: len(lengths)], device=DEVICE)
+    q_len = torch.tensor(lengths, device=DEVICE)
+    q_start = torch.cumsum(q_len, 0) - q_len
+    perm = torch.randperm(num_blocks, generator=g, device=DEVICE)   # scattered pages
+    tables = perm[: len(lengths) * 16].view(len(lengths), 16)
+    q = torch.randn(int(q_len.sum()), heads, dim, generator=g, device=DEVICE).to(dtype)
+    out = kernels.paged_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, max(lengths),
+                                  dim ** -0.5, causal)
+    ref = reference_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, dim ** -0.5, causal)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("hk,hv,dim", [(2, 4, 32), (4, 4, 64)])
+def test_gated_delta_rule(keep, hk, hv, dim):
+    g_ = torch.Generator(DEVICE).manual_seed(hk + dim + keep)
+    b, length, slots = 3, 5, 6
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g_, device=DEVICE)
+    q, k, v = rand(b, length, hk, dim), rand(b, length, hk, dim), rand(b, length, hv, dim)
+    g = -torch.rand(b, length, hv, generator=g_, device=DEVICE)
+    beta = torch.rand(b, length, hv, generator=g_, device=DEVICE)
+    state = rand(slots, hv, dim, dim) * 0.1
+    slot_ids = torch.tensor([4, 0, 2], device=DEVICE)
+    rep = hv // hk
+    ref_out, ref_final, ref_states = gated_delta_rule(
+        q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta,
+        state[slot_ids].clone(), keep_states=True)
+    before = state.clone()
+    pool = torch.full((b * length + 2, hv, dim, dim), float("nan"), device=DEVICE) if keep else None
+    entries = (torch.arange(b * length, device=DEVICE).view(b, length) + 2) if keep else None
+    out = kernels.gated_delta_rule(q, k, v, g, beta, state, slot_ids, pool, entries)
+    assert rel_err(out, ref_out) < 1e-4
+    if keep:
+        assert torch.equal(state, before)
+        assert rel_err(pool[2:].view(b, length, hv, dim, dim), ref_states) < 1e-4
+    else:
+        assert rel_err(state[slot_ids], ref_final) < 1e-4
+        untouched = [s for s in range(slots) if s not in slot_ids.tolist()]
+        assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("name,method", [("qwen3", "none"), ("qwen3_5", "none"),
+                                         ("qwen3_5", "ngram"), ("qwen3_5", "mtp")])
+def test_engine_on_the_kernels_matches_the_reference(checkpoint, name, method):
+    """The whole engine with attention_backend='triton': greedy tokens equal transformers'."""
+    import checkpoints
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    model_dir = checkpoint(name)
+    llm = LLM(model_dir, device=DEVICE, dtype="float32", block_size=4, attention_backend="triton",
+              max_num_batched_tokens=16, speculative_method=method,
+              num_drafts=3 if method != "none" else None)
+    assert llm.worker.backend == "triton"
+    prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine", "x"]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == checkpoints.reference_greedy(model_dir, prompt, 24)

@@ -1,0 +1,173 @@
+"""Triton kernels for the GPU: paged attention over the block tables, and the Gated DeltaNet
+recurrence that reads and writes the SSM slot pool in place (every per-token state for a verify).
+
+Both read only device tensors (no host values per sequence), so a step built from them can be
+captured in a CUDA graph. `available()` says whether Triton imports; the torch code in layers.py
+and gated_deltanet.py is the reference they are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only installs: the torch paths run instead
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+if triton is not None:
+    @triton.jit
+    def _paged_attention_kernel(
+            q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx_ptr, scale,
+            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
+            GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
+            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+            PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+        """One program: BLOCK_L query rows of one sequence for the GROUP query heads that share
+        one KV head; keys stream from the paged cache with an online softmax."""
+        seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        q_len = tl.load(q_len_ptr + seq)
+        if tile * BLOCK_L < q_len:
+            q_start = tl.load(q_start_ptr + seq)
+            ctx = tl.load(ctx_ptr + seq)
+            m = tl.arange(0, G_PAD * BLOCK_L)            # query row m: row m // G_PAD, head m % G_PAD
+            row = tile * BLOCK_L + m // G_PAD
+            head = kv_head * GROUP + m % G_PAD
+            row_ok = (row < q_len) & (m % G_PAD < GROUP)
+            d = tl.arange(0, D_PAD)
+            d_ok = d < HEAD_DIM
+            q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh
+                        + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q_pos = ctx + row
+            end = ctx + q_len
+            if CAUSAL:   # the tile's last row sees keys up to its own position
+                end = ctx + min(q_len, (tile + 1) * BLOCK_L)
+            m_i = tl.full([G_PAD * BLOCK_L], float("-inf"), tl.float32)
+            l_i = tl.zeros([G_PAD * BLOCK_L], tl.float32)
+            acc = tl.zeros([G_PAD * BLOCK_L, D_PAD], tl.float32)
+            for start in range(0, end, BLOCK_N):
+                n = start + tl.arange(0, BLOCK_N)
+                n_ok = n < end
+                page = tl.load(tables_ptr + seq * stride_tb + n // PAGE, mask=n_ok, other=0)
+                kv = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+                k = tl.load(k_ptr + kv[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                            other=0.0)
+                v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                            other=0.0)
+                if IEEE:
+                    s = tl.dot(q, k, input_precision="ieee")
+                else:
+                    s = tl.dot(q, k)
+                s = s * scale
+                ok = n_ok[None, :]
+                if CAUSAL:
+                    ok = ok & (n[None, :] <= q_pos[:, None])
+                s = tl.where(ok, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
+                     + d[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _gated_delta_kernel(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, keep_ptr,
+            entries_ptr, length, scale,
+            HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+            BV: tl.constexpr, KEEP: tl.constexpr):
+        """One program: BV value columns of one value head of one sequence, token by token in
+        float32. The state starts from the sequence's slot; with KEEP the state after each token
+        goes to its verify-pool entry and the slot is left alone, else the slot is updated."""
+        seq, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        hk = hv // (HV // HK)
+        slot = tl.load(slots_ptr + seq)
+        dk = tl.arange(0, DK)
+        dv = vb * BV + tl.arange(0, BV)
+        cell = (hv * DK + dk[:, None]) * DV + dv[None, :]
+        state = tl.load(state_ptr + slot * HV * DK * DV + cell)
+        for t in range(length):
+            r = seq * length + t
+            q = tl.load(q_ptr + (r * HK + hk) * DK + dk).to(tl.float32)
+            k = tl.load(k_ptr + (r * HK + hk) * DK + dk).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+            v = tl.load(v_ptr + (r * HV + hv) * DV + dv).to(tl.float32)
+            g = tl.load(g_ptr + r * HV + hv)
+            beta = tl.load(beta_ptr + r * HV + hv)
+            state = state * tl.exp(g)
+            delta = (v - tl.sum(state * k[:, None], 0)) * beta
+            state = state + k[:, None] * delta[None, :]
+            out = tl.sum(state * q[:, None], 0)
+            tl.store(out_ptr + (r * HV + hv) * DV + dv, out.to(out_ptr.dtype.element_ty))
+            if KEEP:
+                entry = tl.load(entries_ptr + r)
+                tl.store(keep_ptr + entry * HV * DK * DV + cell, state)
+        if not KEEP:
+            tl.store(state_ptr + slot * HV * DK * DV + cell, state)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                    context_lens: torch.Tensor, max_q_len: int, scale: float,
+                    causal: bool = True) -> torch.Tensor:
+    """q: [T, heads, D] rows of S sequences (sequence s owns rows q_start[s] .. + q_len[s], at
+    positions context_lens[s] ..); k_cache, v_cache: one layer's pages [blocks, page, kv_heads, D]
+    already holding these rows' keys; block_tables: [S, W]. Returns [T, heads, D]."""
+    rows, heads, dim = q.shape
+    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    g_pad = _pow2(group)
+    block_l = max(_pow2(min(max_q_len, max(64 // g_pad, 1))), max(16 // g_pad, 1))
+    out = torch.empty_like(q)
+    grid = (block_tables.shape[0], kv_heads, triton.cdiv(max_q_len, block_l))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, q_start, q_len, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, G_PAD=g_pad, BLOCK_L=block_l, BLOCK_N=64 if dim <= 128 else 32,
+        HEAD_DIM=dim, D_PAD=max(_pow2(dim), 16), PAGE=page, CAUSAL=causal,
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     keep: torch.Tensor | None = None,
+                     entries: torch.Tensor | None = None) -> torch.Tensor:
+    """The recurrence over B sequences of L rows: q, k [B, L, key_heads, dk] (not yet
+    normalised), v [B, L, value_heads, dv], g, beta [B, L, value_heads]. `state` is one layer's
+    slot states [slots, value_heads, dk, dv] (float32), read at `slots` [B]; without `keep`
+    they are updated in place, with it the state after row t goes to keep[entries[b, t]].
+    Returns the outputs [B, L, value_heads, dv] in v's dtype."""
+    n_seq, length, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    assert dk == _pow2(dk) and dv == _pow2(dv) and hv % hk == 0, "power-of-two head dims"
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.float().contiguous(), beta.float().contiguous()
+    out = torch.empty_like(v)
+    bv = min(dv, 32)
+    _gated_delta_kernel[(n_seq, hv, dv // bv)](
+        q, k, v, g, beta, out, state, slots, keep if keep is not None else state,
+        entries if entries is not None else slots, length, dk ** -0.5,
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, num_warps=4)
+    return out
