@@ -17,6 +17,7 @@ from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_propo
 from metrale.drafting.rejection import verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import ForwardBatch
+from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
 from metrale.workers.models.loader import load_tokenizer
@@ -86,6 +87,10 @@ class Worker:
         self.backend = attention_backend(config.attention_backend, self.device)
         self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype, tp)
         cfg = self.model.config
+        # CUDA graphs pad batches with sequences that own one spare KV block and SSM slot
+        self.use_graphs = (config.cuda_graphs and self.device.type == "cuda"
+                           and self.backend == "triton" and tp.size == 1)
+        spare = int(self.use_graphs)
         self.kv = self._make_kv_cache()
         slots = config.max_num_seqs
         self.ssm = self._make_ssm_pool() if cfg.is_hybrid else None
@@ -97,10 +102,10 @@ class Worker:
             self_spec_layers=config.self_spec_layers, dflash_window=config.dflash_window,
             ngram_min=config.ngram_min, ngram_max=config.ngram_max,
             propose_batch_max=config.propose_batch_max)
-        capacity = tuple(self.ssm.capacity if self.ssm else [config.max_drafts] * slots)
+        capacity = tuple(self.ssm.capacity[:slots] if self.ssm else [config.max_drafts] * slots)
         p = self.proposer
         self.capacity = WorkerCapacity(
-            num_blocks=self.kv.num_blocks, block_size=config.block_size, num_slots=slots,
+            num_blocks=self.kv.num_blocks - spare, block_size=config.block_size, num_slots=slots,
             max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
             eos_token_ids=cfg.eos_token_ids, hybrid=cfg.is_hybrid,
             proposer=p.method if p else "none", slot_capacity=capacity if p else (0,) * slots,
@@ -112,6 +117,11 @@ class Worker:
         self._grammar_compiler = None
         self.prompt_len = [0] * slots
         self.stats = SpecStats()
+        self.graphs = GraphRunner(
+            self.model, self.kv, self.ssm, slots, config.max_drafts + 1 if p else 1,
+            -(-cfg.max_position_embeddings // config.block_size),
+            p.capture_layers if p else (), pad_block=self.kv.num_blocks - 1,
+            pad_slot=slots) if self.use_graphs else None
         log.info("worker on %s: %s", self.device, self.memory_report())
 
     def _make_kv_cache(self) -> PagedKVCache:
@@ -141,7 +151,10 @@ class Worker:
             budget = (c.max_num_seqs * (c.max_drafts + 1) if c.verify_pool_bytes is None
                       else c.verify_pool_bytes // per_entry)
             capacities = verify_capacities(c.max_num_seqs, c.max_drafts, budget)
-        return SSMSlotPool(dims[0], c.max_num_seqs, *dims[1:], cfg.dtype, self.device, capacities)
+        slots = c.max_num_seqs
+        if self.use_graphs:   # the padding sequences' slot, as deep as any verify
+            capacities, slots = (capacities or [0] * slots) + [c.max_drafts], slots + 1
+        return SSMSlotPool(dims[0], slots, *dims[1:], cfg.dtype, self.device, capacities)
 
     def memory_report(self) -> dict:
         report = {"kv_cache_bytes": self.kv.k.nbytes * 2, "kv_blocks": self.kv.num_blocks,
@@ -171,9 +184,8 @@ class Worker:
             [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
               w.seq_id in verifying and self.ssm is not None) for w in plan.work],
             self.config.block_size, self.device, self.backend)
-        capture = self.proposer.capture_layers if self.proposer else ()
-        hidden, captured = self.model(batch, self.kv, self.ssm, capture=capture)
-        verdicts = self._verdicts(plan.work, batch, drafts, hidden)
+        hidden, captured, logits = self._forward(batch)
+        verdicts = self._verdicts(plan.work, batch, drafts, hidden, logits)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed = [], []
         for w, rows in zip(plan.work, batch.seqs):
@@ -212,8 +224,9 @@ class Worker:
         for _ in range(iters + 3):
             start = time.perf_counter()
             batch = ForwardBatch.build(chunks, bs, self.device, self.backend)
-            hidden, _ = self.model(batch, self.kv, self.ssm)
-            self.model.logits(hidden)
+            hidden, _, logits = self._forward(batch)
+            if logits is None:
+                self.model.logits(hidden)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - start)
@@ -260,8 +273,16 @@ class Worker:
         proposals = self.proposer.propose(requests)
         return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}
 
+    def _forward(self, batch: ForwardBatch):
+        """Hidden rows, captured layers, and the logits of every row when a CUDA graph ran the
+        step (None otherwise: they are computed per sequence)."""
+        if self.graphs is not None and self.graphs.eligible(batch):
+            return self.graphs.run(batch)
+        capture = self.proposer.capture_layers if self.proposer else ()
+        return *self.model(batch, self.kv, self.ssm, capture=capture), None
+
     def _verdicts(self, work: list[SeqWork], batch: ForwardBatch, drafts: dict[int, list[int]],
-                  hidden: torch.Tensor) -> dict[int, SeqOutcome]:
+                  hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[int, SeqOutcome]:
         """The outcome of every sampling sequence, by id. Each sequence's logits come from its own
         lm_head call, so they do not depend on which other sequences share the step."""
         verdicts = {}
@@ -269,7 +290,9 @@ class Worker:
             if w.sample:
                 d = drafts.get(w.seq_id, [])
                 end = rows.start + rows.length
-                verdicts[w.seq_id] = self._accept(w, d, self.model.logits(hidden[end - 1 - len(d):end]))
+                rows_logits = (logits[end - 1 - len(d):end] if logits is not None
+                               else self.model.logits(hidden[end - 1 - len(d):end]))
+                verdicts[w.seq_id] = self._accept(w, d, rows_logits)
         return verdicts
 
     def _accept(self, w: SeqWork, drafts: list[int], logits: torch.Tensor) -> SeqOutcome:

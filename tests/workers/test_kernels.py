@@ -99,19 +99,29 @@ def test_gated_delta_rule(keep, hk, hv, dim):
         assert torch.equal(state[untouched], before[untouched])
 
 
+GRAPHS = [False, True] if DEVICE == "cuda" else [False]
+
+
+@pytest.mark.parametrize("graphs", GRAPHS)
 @pytest.mark.parametrize("name,method", [("qwen3", "none"), ("qwen3_5", "none"),
-                                         ("qwen3_5", "ngram"), ("qwen3_5", "mtp")])
-def test_engine_on_the_kernels_matches_the_reference(checkpoint, name, method):
-    """The whole engine with attention_backend='triton': greedy tokens equal transformers'."""
+                                         ("qwen3_5", "ngram"), ("qwen3_5", "mtp"),
+                                         ("qwen3", "dflash"), ("qwen3_5", "dflash")])
+def test_engine_on_the_kernels_matches_the_reference(checkpoint, dflash_drafter, name, method,
+                                                     graphs):
+    """The whole engine with attention_backend='triton' (and CUDA graphs on a GPU): greedy tokens
+    equal transformers'."""
     import checkpoints
     from metrale.cluster.params import SamplingParams
     from metrale.deploy.llm import LLM
     model_dir = checkpoint(name)
     llm = LLM(model_dir, device=DEVICE, dtype="float32", block_size=4, attention_backend="triton",
-              max_num_batched_tokens=16, speculative_method=method,
-              num_drafts=3 if method != "none" else None)
-    assert llm.worker.backend == "triton"
+              cuda_graphs=graphs, max_num_batched_tokens=16, speculative_method=method,
+              num_drafts=3 if method != "none" else None,
+              drafter=dflash_drafter(name) if method == "dflash" else None)
+    assert llm.worker.backend == "triton" and (llm.worker.graphs is not None) == graphs
     prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine", "x"]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == checkpoints.reference_greedy(model_dir, prompt, 24)
+    if graphs:
+        assert llm.worker.graphs.graphs, "no step ran as a CUDA graph"

@@ -1,0 +1,108 @@
+"""CUDA graphs of the target's decode and verify steps: B sequences of L rows each, B rounded up
+to a bucket, captured on first use and replayed over static input buffers.
+
+A captured step runs embedding, every layer and the logits of every row; the host only fills
+the buffers. Rows of the padding sequences write their K/V into a block and their SSM state into
+a slot that the worker keeps for them, so they never touch a real sequence's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.workers.batch import ForwardBatch, SeqRows
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+class GraphRunner:
+    def __init__(self, model, kv, ssm, max_seqs: int, max_rows: int, max_blocks_per_seq: int,
+                 capture_layers: tuple[int, ...], pad_block: int, pad_slot: int):
+        self.model, self.kv, self.ssm = model, kv, ssm
+        self.capture_layers = capture_layers
+        self.buckets = [b for b in BUCKETS if b < max_seqs] + [max_seqs]
+        self.max_rows, self.pad_block, self.pad_slot = max_rows, pad_block, pad_slot
+        self.block_size = kv.block_size
+        device = kv.k.device
+        n_seq, n_rows = self.buckets[-1], self.buckets[-1] * max_rows
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        self.input_ids, self.positions, self.slot_mapping = zeros(n_rows), zeros(n_rows), zeros(n_rows)
+        self.q_start, self.q_len = zeros(n_seq, dtype=torch.int32), zeros(n_seq, dtype=torch.int32)
+        self.context_lens = zeros(n_seq, dtype=torch.int32)
+        self.block_tables = zeros(n_seq, max_blocks_per_seq, dtype=torch.int32)
+        self.slots = zeros(n_seq)
+        self.graphs: dict[tuple[int, int, bool], tuple] = {}
+        self.pool = None
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def eligible(self, batch: ForwardBatch) -> bool:
+        length = batch.uniform_length
+        return (length is not None and length <= self.max_rows
+                and self.bucket(len(batch.seqs)) is not None
+                and len({s.verify for s in batch.seqs}) == 1
+                and batch.block_tables.shape[1] <= self.block_tables.shape[1])
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Hidden rows, captured layers and float32 logits of every row of an eligible batch."""
+        n, length, verify = len(batch.seqs), batch.uniform_length, batch.seqs[0].verify
+        if self.ssm is not None:
+            self.ssm.check_verify(batch.seqs)
+        bucket = self.bucket(n)
+        key = (bucket, length, verify)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, length, verify)
+        graph, hidden, captured, logits = self.graphs[key]
+        self._fill(batch, n, bucket, length)
+        graph.replay()
+        rows = n * length
+        return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]
+
+    def _fill(self, batch: ForwardBatch | None, n: int, bucket: int, length: int) -> None:
+        rows, width = n * length, (batch.block_tables.shape[1] if batch is not None else 0)
+        if batch is not None:
+            self.input_ids[:rows].copy_(batch.input_ids)
+            self.positions[:rows].copy_(batch.positions)
+            self.slot_mapping[:rows].copy_(batch.slot_mapping)
+            self.context_lens[:n].copy_(batch.context_lens)
+            self.block_tables[:n, :width].copy_(batch.block_tables)
+            self.slots[:n].copy_(batch.slots)
+        # padding sequences: position 0.., their own block and slot
+        pad = slice(n, bucket)
+        self.slot_mapping[rows:bucket * length].copy_(
+            self.pad_block * self.block_size
+            + torch.arange(length, device=self.slots.device).repeat(bucket - n) % self.block_size)
+        self.positions[rows:bucket * length].zero_()
+        self.context_lens[pad] = 0
+        self.block_tables[pad] = self.pad_block
+        self.slots[pad] = self.pad_slot
+        self.q_len[:bucket] = length
+        torch.arange(0, bucket * length, length, out=self.q_start[:bucket])
+
+    def _capture(self, bucket: int, length: int, verify: bool):
+        rows = bucket * length
+        static = ForwardBatch(
+            self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
+            [SeqRows(i * length, length, 0, None, self.pad_slot, verify) for i in range(bucket)],
+            self.block_size, self.q_start[:bucket], self.q_len[:bucket],
+            self.context_lens[:bucket], self.block_tables[:bucket], self.slots[:bucket],
+            backend="triton")
+        self._fill(None, 0, bucket, length)
+
+        def step():
+            hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)
+            return hidden, captured, self.model.logits(hidden)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # compiles the kernels and settles the allocator
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, captured, logits = step()
+        self.pool = graph.pool()
+        return graph, hidden, captured, logits
