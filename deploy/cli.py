@@ -145,6 +145,18 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    from metrale.deploy.gpubench import add_arguments
+    p = sub.add_parser("bench", help="decode speed against the targets: tokens/s by batch size "
+                       "and proposer, verify cost, bandwidth floor, transformers generate")
+    add_arguments(p)
+
+
+def cmd_bench(args) -> int:
+    from metrale.deploy.gpubench import run
+    return run(args)
+
+
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible endpoint on Ray Serve")
     p.add_argument("--config", default=None, help="YAML file of MetraleConfig settings")
@@ -209,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _train_parser(sub)
     _eval_parser(sub)
+    _bench_parser(sub)
     _serve_parser(sub)
     _k8s_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return {"generate": cmd_generate, "train": cmd_train, "eval": cmd_eval,
-            "serve": cmd_serve, "k8s": cmd_k8s}[args.command](args)
+            "bench": cmd_bench, "serve": cmd_serve, "k8s": cmd_k8s}[args.command](args)
 
 
 if __name__ == "__main__":

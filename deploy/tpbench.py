@@ -26,51 +26,14 @@ import torch.multiprocessing as mp
 
 from metrale.cluster.params import SamplingParams
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
+from metrale.deploy.random_checkpoint import (QWEN3_8B, QWEN3_SMALL, random_prompts,
+                                              write_random_checkpoint)
 from metrale.workers.batch import ForwardBatch
-from metrale.workers.models.config import ModelConfig
-from metrale.workers.models.decoder import CausalLM
 from metrale.workers.models.loader import load_tokenizer
 from metrale.workers.parallel import join_group
 from metrale.workers.worker import Worker, WorkerConfig
 
-QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936)
-# --small: a shape to check the program on CPU
-SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=64, intermediate_size=512, vocab_size=1024)
 GREEDY_TOKENS = 64
-
-
-def write_random_checkpoint(out: Path, shape: dict, device: str, seed: int = 0) -> Path:
-    """config.json, model.safetensors (N(0, 0.02) weights, norms at 1, drawn on the GPU) and a
-    word-level tokenizer.json with one entry per id, so any token decodes."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    if (out / "model.safetensors").is_file():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    raw = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **shape,
-           "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-           "attention_bias": False, "torch_dtype": "bfloat16", "eos_token_id": 0}
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in CausalLM(ModelConfig.from_dict(raw)).state_dict().items()}
-    g = torch.Generator(device).manual_seed(seed)
-
-    def draw(size):
-        return (torch.randn(size, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
-    tensors = {name: torch.ones(size, dtype=torch.bfloat16) if name.endswith("norm.weight")
-               else draw(size) for name, size in shapes.items()}
-    save_file(tensors, str(out / "model.safetensors"))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(raw["vocab_size"])}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(out / "tokenizer.json"))
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
-    return out
-
-
-def prompts(count: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, vocab, (count, length), generator=g).tolist()
 
 
 class RankZero:
@@ -252,14 +215,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    shape = dict(SMALL if args.small else QWEN3_8B)
+    shape = dict(QWEN3_SMALL if args.small else QWEN3_8B)
     shape["num_hidden_layers"] = args.layers or shape["num_hidden_layers"]
     t0 = time.perf_counter()
     write_random_checkpoint(Path(args.dir), shape, args.device)
     written = time.perf_counter() - t0
     note("checkpoint written", t0)
-    requests = prompts(max(max(args.batch), 2) * args.replicas, args.prompt_len,
-                       shape["vocab_size"])
+    requests = random_prompts(max(max(args.batch), 2) * args.replicas, args.prompt_len,
+                              shape["vocab_size"])
 
     dp_requests = requests[:max(args.batch) * args.replicas]
     worker = Worker(worker_config(args, 0, 1))

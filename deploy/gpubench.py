@@ -1,0 +1,521 @@
+"""`metrale bench`: decode speed of metrale against its targets on one device: tokens/s and ms per
+step at each batch size, plain and with each proposer; the cost of a verify of k drafts against one
+decode step; the bandwidth floor (weight bytes / copy bandwidth measured in the same run); and
+transformers' `generate` on the same weights. Writes bench.json and bench.png, prints the targets.
+
+    python -m metrale.deploy.gpubench --out /tmp/bench                  # the full run
+    python -m metrale.deploy.gpubench --small --device cpu --out /tmp/b  # tiny shapes, to check it
+
+Random-weight models (qwen3-8b, qwen3.5-2b: real shapes, written on first use) accept random drafts,
+so on them only plain decoding, forward costs, the floor and transformers are measured; proposers
+are measured on the bundled model with its trained MTP head and DFlash drafter (and n-gram).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from metrale.cluster.params import SamplingParams
+from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
+from metrale.deploy.evaluate import heldout_texts
+from metrale.deploy.llm import LLM
+from metrale.deploy.random_checkpoint import (QWEN3_5_2B, QWEN3_5_SMALL, QWEN3_8B, QWEN3_SMALL,
+                                              random_prompts, write_random_checkpoint)
+from metrale.drafting.stats import SpecStats
+from metrale.workers.models.config import DTYPES, ModelConfig
+from metrale.workers.ssm_pool import SSMSlotPool
+
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-2b": QWEN3_5_2B}
+SMALL_SHAPES = {"qwen3-8b": QWEN3_SMALL, "qwen3.5-2b": QWEN3_5_SMALL}
+MAX_VERIFY = 15                     # the deepest verify timed (rows = k + 1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="bundled,qwen3-8b,qwen3.5-2b",
+                   help="comma-separated: bundled, qwen3-8b, qwen3.5-2b (random weights, real "
+                        "shapes) or a checkpoint directory")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--methods", default="none,mtp,dflash,ngram",
+                   help="proposers timed on the bundled model or a given directory ('none': plain)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
+    p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
+    p.add_argument("--prompt-len", type=int, default=None,
+                   help="prompt tokens (default 512, bundled model 256; --small: 32)")
+    p.add_argument("--iters", type=int, default=20, help="timed forwards per forward-cost figure")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="worker option (default: the worker's)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="worker option cuda_graphs=False")
+    p.add_argument("--ckpt-dir", default="/tmp/metrale-bench",
+                   help="where random checkpoints are written (kept and reused)")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers generate")
+    p.add_argument("--hf-batch-sizes", default="1")
+    p.add_argument("--skip-forward", action="store_true", help="no forward costs (time_forward)")
+    p.add_argument("--skip-engine", action="store_true", help="no engine tokens/s runs")
+    p.add_argument("--small", action="store_true",
+                   help="tiny shapes and counts (CPU check; the targets mean nothing then)")
+    p.add_argument("--merge", nargs="*", default=[],
+                   help="earlier bench.json files whose models this report includes too (to split "
+                        "the run over several calls)")
+    p.add_argument("--out", required=True, help="folder for bench.json and bench.png")
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (median)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters + 3):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except the embedding table,
+    of which a step reads only its rows (unless it is also the lm_head)."""
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is embed and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_needed(model_dir: str, dtype: str, sequences: int, tokens: int) -> int:
+    """A KV budget for `sequences` of `tokens` tokens each (with room for blocks and drafters)."""
+    cfg = ModelConfig.from_dir(model_dir, dtype)
+    per_token = (2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads * cfg.head_dim
+                 * cfg.dtype.itemsize)
+    return max(int(per_token * sequences * (tokens + 32) * 1.5), 32 << 20)
+
+
+def verify_pool_bytes(model_dir: str, dtype: str, slots: int) -> int | None:
+    """A verify-pool budget that gives `slots` slots the depth of a MAX_VERIFY-draft verify."""
+    cfg = ModelConfig.from_dir(model_dir, dtype)
+    if not cfg.is_hybrid:
+        return None
+    per_entry = SSMSlotPool.bytes_per_entry(
+        len(cfg.linear_attention_layers), cfg.linear_conv_dim, cfg.linear_conv_kernel_dim,
+        cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.dtype)
+    return per_entry * slots * (MAX_VERIFY + 1)
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy decoding of `prompts` together: the decode phase (after every sequence has its first
+    token) is timed; tokens/s counts the tokens it emitted, ms per step is its wall / its steps."""
+    sched = llm.scheduler
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in prompts]
+    while sched.waiting or any(not s.output_ids for s in sched.running):
+        llm.step()
+    before = sum(len(s.output_ids) for s in sched.running)
+    sched.stats = SpecStats()
+    steps, start = 0, time.perf_counter()
+    while sched.has_work:
+        llm.step()
+        steps += 1
+    wall = time.perf_counter() - start
+    total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
+    stats = sched.stats
+    return {"tokens_per_s": (total - before) / wall if wall else 0.0,
+            "ms_per_step": 1000 * wall / max(steps, 1), "steps": steps,
+            "tokens": total - before, "wall_s": wall,
+            "acceptance": (stats.drafts_accepted / stats.drafts_proposed
+                           if stats.drafts_proposed else None),
+            "mean_acceptance_length": stats.mean_acceptance_length if stats.rounds else None,
+            "spec": stats.as_dict()}
+
+
+def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts, args,
+                options: dict) -> dict:
+    """tokens/s per method per batch size, each after a short warm-up run at that batch size."""
+    out = {}
+    top = max(args.batch_sizes)
+    for method in methods:
+        llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
+                  kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
+                                                 args.prompt_len + args.new_tokens + MAX_VERIFY),
+                  # prefill in steps of at most 16K tokens bounds activation memory at batch 64
+                  max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
+                  speculative_method=method,
+                  drafter=drafter if method == "dflash" else None, **options)
+        runs = {}
+        for b in args.batch_sizes:
+            decode_run(llm, prompts[:b], 8)
+            runs[b] = decode_run(llm, prompts[:b], args.new_tokens)
+            note(f"  {method} batch {b}: {runs[b]['tokens_per_s']:.1f} tokens/s")
+        out[method] = runs
+        release(llm)
+    return out
+
+
+def forward_costs(model_dir: str, args, options: dict) -> dict:
+    """Median ms of one target forward: decode (1 row) at each batch size, and a verify of k
+    drafts (k + 1 rows) at batch 1, all after `prompt_len` cached tokens; with the weight bytes
+    the floor uses."""
+    top = max(args.batch_sizes)
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
+              kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
+                                             args.prompt_len + MAX_VERIFY + 1),
+              speculative_method="ngram",   # a verify pool without drafter weights
+              verify_pool_bytes=verify_pool_bytes(model_dir, args.dtype, 1),
+              **{"max_drafts": MAX_VERIFY, **options})
+    w = llm.worker
+    decode = {b: w.time_forward(b, 1, args.prompt_len, args.iters) for b in args.batch_sizes}
+    verify = {k: w.time_forward(1, k + 1, args.prompt_len, args.iters) for k in args.verify_ks}
+    one = w.time_forward(1, 1, args.prompt_len, args.iters) if 1 not in decode else decode[1]
+    out = {"context_len": args.prompt_len, "decode_ms": decode, "verify_ms_batch1": verify,
+           "verify_over_decode_batch1": {k: v / one for k, v in verify.items()},
+           "weight_bytes": weight_bytes(w.model),
+           "parameters": sum(p.numel() for p in {p.data_ptr(): p for p in w.model.parameters()}
+                             .values())}
+    release(llm)
+    return out
+
+
+@torch.inference_mode()
+def hf_generate(model_dir: str, prompts: list[list[int]], new_tokens: int, batch_sizes: list[int],
+                device: torch.device, dtype: torch.dtype) -> dict:
+    """transformers' greedy `generate` on the same weights: decode tokens/s from the difference
+    between a run of `new_tokens` and a run of 1 (the prefill), per batch size."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = model.to(device).eval()
+
+    def timed(ids, n):
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
+                             temperature=None, top_p=None, top_k=None)
+        sync(device)
+        assert out.shape[1] == ids.shape[1] + n
+        return time.perf_counter() - start
+    out = {}
+    for b in batch_sizes:
+        ids = torch.tensor(prompts[:b], device=device)
+        timed(ids, 4)
+        prefill, total = timed(ids, 1), timed(ids, new_tokens)
+        out[b] = {"tokens_per_s": b * (new_tokens - 1) / (total - prefill),
+                  "ms_per_step": 1000 * (total - prefill) / (new_tokens - 1),
+                  "total_s": total, "prefill_s": prefill}
+        note(f"  transformers batch {b}: {out[b]['tokens_per_s']:.1f} tokens/s")
+    return out
+
+
+def bundled_prompts(model_dir: Path, count: int, length: int) -> list[list[int]]:
+    """`count` distinct prompts of `length` tokens from the model's held-out files (as `metrale
+    eval` uses): windows taken round-robin over the files, one per file before a second."""
+    from metrale.workers.models.loader import load_tokenizer
+    texts, _ = heldout_texts(model_dir)
+    tok = load_tokenizer(model_dir)
+    files = [ids for ids in (tok.encode(t).ids for t in texts) if len(ids) >= 2 * length]
+    if not files:
+        raise SystemExit(f"bench: no held-out file of {model_dir} has {2 * length} tokens")
+    prompts, window = [], 1
+    while len(prompts) < count:
+        prompts += [ids[window * length:(window + 1) * length] for ids in files
+                    if len(ids) >= (window + 1) * length]
+        window += 1
+    return prompts[:count]
+
+
+def bench_model(name: str, args, options: dict, bandwidth: float) -> dict:
+    shape = None
+    if name == "bundled":
+        model_dir, drafter, methods = str(BUNDLED_MODEL), str(BUNDLED_DFLASH), args.methods
+    elif name in SHAPES:
+        shape = (SMALL_SHAPES if args.small else SHAPES)[name]
+        start = time.perf_counter()
+        model_dir = str(write_random_checkpoint(Path(args.ckpt_dir) / name, shape,
+                                                args.device.type))
+        note(f"{name}: checkpoint ready in {time.perf_counter() - start:.0f}s at {model_dir}")
+        drafter, methods = None, ["none"]
+    else:
+        model_dir, drafter, methods = name, args.drafter, args.methods
+    prompt_len = args.prompt_len or (32 if args.small else 256 if name == "bundled" else 512)
+    a = argparse.Namespace(**{**vars(args), "prompt_len": prompt_len,
+                              "dtype": args.dtype_name, "device": str(args.device)})
+    top = max(args.batch_sizes + args.hf_batch_sizes)
+    if shape is None and (Path(model_dir) / "heldout.json").is_file():
+        prompts = bundled_prompts(Path(model_dir), top, prompt_len)
+    else:
+        vocab = ModelConfig.from_dir(model_dir).vocab_size
+        prompts = random_prompts(top, prompt_len, vocab)
+    result = {"model_dir": model_dir, "shape": shape, "prompt_len": prompt_len,
+              "new_tokens": args.new_tokens, "methods": methods}
+    if not args.skip_forward:
+        costs = forward_costs(model_dir, a, options)
+        floor_ms = 1000 * costs["weight_bytes"] / bandwidth
+        result["forward"] = costs
+        result["floor"] = {"weight_bytes": costs["weight_bytes"], "bandwidth_bytes_per_s": bandwidth,
+                           "floor_ms": floor_ms, "tokens_per_s_batch1": 1000 / floor_ms}
+        note(f"{name}: decode forward {costs['decode_ms']} ms, floor {floor_ms:.3f} ms")
+    if not args.skip_engine:
+        result["engine"] = engine_runs(model_dir, drafter, methods, prompts, a, options)
+    if not args.skip_hf:
+        result["hf_generate"] = hf_generate(model_dir, prompts, args.new_tokens,
+                                            args.hf_batch_sizes, args.device, args.torch_dtype)
+    gc.collect()
+    return result
+
+
+def release(llm: LLM) -> None:
+    llm.close()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def note(what: str) -> None:
+    print(what, file=sys.stderr, flush=True)
+
+
+# ---- the targets -----------------------------------------------------------------------------
+
+def _engine(models: dict, name: str) -> dict | None:
+    return models.get(name, {}).get("engine")
+
+
+def _speedups(engine: dict) -> dict[str, dict[int, float]]:
+    """Speculative tokens/s / plain tokens/s per method per batch size."""
+    plain = engine["none"]
+    return {m: {b: runs[b]["tokens_per_s"] / plain[b]["tokens_per_s"] for b in runs if b in plain}
+            for m, runs in engine.items() if m != "none"}
+
+
+def targets(models: dict) -> list[dict]:
+    """Each target: what it measures, the measured value (None: not measured), the bound, PASS/MISS."""
+    rows = []
+
+    def add(what, value, bound, at_most, detail=""):
+        ok = None if value is None else (value <= bound if at_most else value >= bound)
+        rows.append({"target": what, "measured": value, "bound": f"{'<=' if at_most else '>='} "
+                     f"{bound}x", "detail": detail,
+                     "result": "n/a" if ok is None else "PASS" if ok else "MISS"})
+
+    q8 = models.get("qwen3-8b", {})
+    step = (q8.get("engine") or {}).get("none", {}).get(1)
+    floor = q8.get("floor")
+    add("plain decode step / bandwidth floor, batch 1, qwen3-8b",
+        step["ms_per_step"] / floor["floor_ms"] if step and floor else None, 1.15, True,
+        f"{step['ms_per_step']:.2f} ms vs {floor['floor_ms']:.2f} ms" if step and floor else "")
+    for name, m in models.items():
+        f = m.get("forward")
+        if not f:
+            continue
+        ratio = f["verify_over_decode_batch1"]
+        for k, bound in ((7, 1.3), (15, 1.6)):
+            add(f"verify of {k} drafts / one decode step, batch 1, {name}", ratio.get(k), bound,
+                True, f"{f['verify_ms_batch1'][k]:.2f} ms" if k in ratio else "")
+    engine = _engine(models, "bundled")
+    speed = _speedups(engine) if engine and "none" in engine else {}
+    best1 = max(((r[1], m) for m, r in speed.items() if 1 in r), default=None)
+    add("best proposer / plain tokens/s, bundled, T=0, batch 1", best1 and best1[0], 2.5, False,
+        best1 and best1[1] or "")
+    worst = max(((min(r.values()), m) for m, r in speed.items() if r), default=None)
+    if worst and max(b for r in speed.values() for b in r) < 64:
+        worst_detail = f"{worst[1]}, batch sizes up to {max(b for r in speed.values() for b in r)}"
+    else:
+        worst_detail = worst and f"{worst[1]} (its lowest over batch sizes)"
+    add("speculative / plain tokens/s at every batch size <= 64, bundled", worst and worst[0], 1.0,
+        False, worst_detail or "")
+    best32 = max(((r[32], m) for m, r in speed.items() if 32 in r), default=None)
+    add("speculative / plain tokens/s, batch 32, bundled", best32 and best32[0], 1.3, False,
+        best32 and best32[1] or "")
+    for name, m in models.items():
+        hf, eng = m.get("hf_generate", {}).get(1), m.get("engine") or {}
+        ours = max(((runs[1]["tokens_per_s"], meth) for meth, runs in eng.items() if 1 in runs),
+                   default=None)
+        if hf:
+            add(f"metrale / transformers generate tokens/s, batch 1, {name}",
+                ours and ours[0] / hf["tokens_per_s"], 30, False,
+                ours and f"{ours[1]} {ours[0]:.1f} vs {hf['tokens_per_s']:.1f} tokens/s" or "")
+    return rows
+
+
+def format_report(report: dict) -> str:
+    lines = [f"device {report['device']}, torch {report['torch']}, dtype {report['dtype']}, "
+             f"attention_backend {report['worker_options'].get('attention_backend', 'default')}, "
+             f"cuda_graphs {report['worker_options'].get('cuda_graphs', 'default')}, "
+             f"copy bandwidth {report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", ""]
+    for name, m in report["models"].items():
+        if "floor" in m:
+            f = m["floor"]
+            lines.append(f"{name}: {f['weight_bytes'] / 1e9:.3f} GB of weights per step, floor "
+                         f"{f['floor_ms']:.3f} ms ({f['tokens_per_s_batch1']:.0f} tokens/s at batch 1)")
+        if "forward" in m:
+            fw = m["forward"]
+            lines.append("  forward ms, decode by batch: " + ", ".join(
+                f"{b}: {v:.2f}" for b, v in fw["decode_ms"].items()) + "; verify / decode at "
+                "batch 1 by k: " + ", ".join(f"{k}: {v:.2f}x" for k, v in
+                                             fw["verify_over_decode_batch1"].items()))
+        if m.get("engine"):
+            eng = m["engine"]
+            sizes = sorted({b for runs in eng.values() for b in runs})
+            lines.append(f"  {'method':<12}" + "".join(f"{'B=' + str(b):>17}" for b in sizes)
+                         + "   (tokens/s | ms per step | mean acceptance length)")
+            for meth, runs in eng.items():
+                lines.append(f"  {meth:<12}" + "".join(
+                    f"{runs[b]['tokens_per_s']:>8.0f}|{runs[b]['ms_per_step']:>5.1f}|"
+                    + (f"{a:>3.1f}" if (a := runs[b]['mean_acceptance_length']) else "  -")
+                    if b in runs else " " * 17 for b in sizes))
+            if "none" in eng:
+                for meth, r in _speedups(eng).items():
+                    lines.append(f"  {meth + ' / none':<12}" + "".join(
+                        f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes))
+        for b, h in m.get("hf_generate", {}).items():
+            lines.append(f"  transformers generate batch {b}: {h['tokens_per_s']:.1f} tokens/s "
+                         f"({h['ms_per_step']:.1f} ms per step)")
+        lines.append("")
+    lines += [f"{'target':<62} {'measured':>9} {'bound':>8}  result  detail"]
+    for t in report["targets"]:
+        value = "-" if t["measured"] is None else f"{t['measured']:.2f}x"
+        lines.append(f"{t['target']:<62} {value:>9} {t['bound']:>8}  {t['result']:<6}  {t['detail']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> str | None:
+    """tokens/s by batch size per model and method; verify cost by k per model. None if written,
+    else why not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'metrale[bench]'): no plot"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for name, m in report["models"].items():
+        for meth, runs in (m.get("engine") or {}).items():
+            sizes = sorted(runs)
+            left.plot(sizes, [runs[b]["tokens_per_s"] for b in sizes], marker="o",
+                      label=f"{name} {meth}")
+        hf = m.get("hf_generate") or {}
+        if hf:
+            left.plot(sorted(hf), [hf[b]["tokens_per_s"] for b in sorted(hf)], marker="x",
+                      linestyle=":", label=f"{name} transformers")
+        if m.get("forward"):
+            ratio = m["forward"]["verify_over_decode_batch1"]
+            right.plot([0] + sorted(ratio), [1.0] + [ratio[k] for k in sorted(ratio)], marker="o",
+                       label=name)
+    left.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s",
+             title=f"decode tokens/s ({report['device']}, {report['dtype']})")
+    left.set_xscale("log", base=2)
+    left.legend(fontsize=7)
+    right.scatter([7, 15], [1.3, 1.6], marker="_", s=400, color="red", label="target")
+    right.set(xlabel="drafts k", ylabel="verify forward / decode forward (batch 1)",
+              title="verify cost per k")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def int_keys(obj):
+    """JSON turns int keys (batch sizes, k) into strings; turn them back on --merge."""
+    if isinstance(obj, dict):
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: int_keys(v)
+                for k, v in obj.items()}
+    return obj
+
+
+def run(args) -> int:
+    args.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                               else "cpu" if args.device == "auto" else args.device)
+    args.dtype_name = (args.dtype if args.dtype != "auto" else
+                       "bfloat16" if args.device.type == "cuda" else "float32")
+    args.torch_dtype = DTYPES[args.dtype_name]
+    args.batch_sizes, args.hf_batch_sizes = ints(args.batch_sizes), ints(args.hf_batch_sizes)
+    args.verify_ks = [k for k in ints(args.verify_ks) if k <= MAX_VERIFY]
+    args.methods = [m for m in args.methods.split(",") if m]
+    args.new_tokens = args.new_tokens or (16 if args.small else 128)
+    options = {}
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
+    if args.no_cuda_graphs:
+        options["cuda_graphs"] = False
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.device.type == "cuda":
+        torch.cuda.set_device(args.device)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    start = time.perf_counter()
+    copy_size = (64 << 20) if args.small else (2 << 30) if args.device.type == "cuda" else (256 << 20)
+    bandwidth = copy_bandwidth(args.device, copy_size)
+    note(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({copy_size >> 20} MiB copies)")
+    models = {}
+    for path in args.merge:
+        models.update(int_keys(json.loads(Path(path).read_text()))["models"])
+    for name in [m for m in args.models.split(",") if m]:
+        t = time.perf_counter()
+        models[name] = bench_model(name, args, options, bandwidth)
+        models[name]["seconds"] = round(time.perf_counter() - t, 1)
+        note(f"{name}: done in {models[name]['seconds']}s")
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(), "argv": sys.argv[1:],
+        "device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "dtype": args.dtype_name, "small": args.small,
+        "worker_options": {"attention_backend": options.get("attention_backend", "auto"),
+                           "cuda_graphs": options.get("cuda_graphs", True)},
+        "bandwidth_bytes_per_s": bandwidth, "copy_bytes": copy_size,
+        "seconds": round(time.perf_counter() - start, 1), "models": models}
+    report["targets"] = targets(models)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    why = plot(report, out / "bench.png")
+    print(format_report(report))
+    print(f"\nwrote {out / 'bench.json'}" + (f"; {why}" if why else f" and {out / 'bench.png'}"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m metrale.deploy.gpubench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

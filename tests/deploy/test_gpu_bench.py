@@ -1,0 +1,78 @@
+"""`metrale bench` end to end on CPU with tiny shapes: every part runs and the report is complete."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from metrale.deploy.cli import main
+from metrale.deploy.gpubench import weight_bytes
+from metrale.deploy.random_checkpoint import QWEN3_5_SMALL, hf_config, write_random_checkpoint
+
+
+@pytest.mark.slow
+def test_bench_small_on_cpu(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", "--small", "--device", "cpu", "--batch-sizes", "1,2", "--iters", "3",
+                 "--new-tokens", "12", "--ckpt-dir", str(tmp_path / "ckpt"),
+                 "--attention-backend", "torch", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["device"] == "cpu" and report["torch"] == torch.__version__
+    assert report["dtype"] == "float32" and report["date"]
+    assert report["worker_options"] == {"attention_backend": "torch", "cuda_graphs": True}
+    assert report["bandwidth_bytes_per_s"] > 0
+    assert set(report["models"]) == {"bundled", "qwen3-8b", "qwen3.5-2b"}
+    for name, m in report["models"].items():
+        assert m["floor"]["weight_bytes"] > 0 and m["floor"]["floor_ms"] > 0
+        forward = m["forward"]
+        assert all(v > 0 for v in forward["decode_ms"].values())
+        assert set(forward["verify_ms_batch1"]) == {"1", "3", "7", "15"}
+        assert all(v > 0 for v in forward["verify_over_decode_batch1"].values())
+        methods = ["none", "mtp", "dflash", "ngram"] if name == "bundled" else ["none"]
+        assert list(m["engine"]) == methods
+        for method, runs in m["engine"].items():
+            assert set(runs) == {"1", "2"}
+            for run in runs.values():
+                assert run["tokens_per_s"] > 0 and run["ms_per_step"] > 0 and run["tokens"] > 0
+                if method == "none":
+                    assert run["acceptance"] is None
+                else:
+                    assert 0 <= run["acceptance"] <= 1
+                    assert 1 <= run["mean_acceptance_length"] <= 8   # DFlash: block size 8
+        assert m["hf_generate"]["1"]["tokens_per_s"] > 0
+    targets = {t["target"]: t for t in report["targets"]}
+    assert len(targets) == 13
+    assert targets["speculative / plain tokens/s, batch 32, bundled"]["result"] == "n/a"
+    assert all(t["result"] in ("PASS", "MISS") for name, t in targets.items() if "32" not in name)
+    printed = capsys.readouterr().out
+    assert "PASS" in printed or "MISS" in printed
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "bench.png").stat().st_size > 0
+
+    # a second call merges the first report's models into its own
+    again = tmp_path / "again"
+    assert main(["bench", "--small", "--device", "cpu", "--models", "qwen3-8b", "--batch-sizes",
+                 "1", "--iters", "2", "--new-tokens", "4", "--skip-hf", "--skip-forward",
+                 "--ckpt-dir", str(tmp_path / "ckpt"), "--merge", str(out / "bench.json"),
+                 "--out", str(again)]) == 0
+    merged = json.loads((again / "bench.json").read_text())["models"]
+    assert set(merged) == {"bundled", "qwen3-8b", "qwen3.5-2b"}
+    assert set(merged["qwen3-8b"]["engine"]["none"]) == {"1"} and "forward" not in merged["qwen3-8b"]
+
+
+def test_random_hybrid_checkpoint_loads_in_transformers(tmp_path):
+    """The Qwen3.5 shape loads in transformers with every weight from the file, and the weight
+    bytes of a step leave out the embedding table only when it is not the lm_head."""
+    import transformers
+    path = write_random_checkpoint(tmp_path, QWEN3_5_SMALL, "cpu")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf_config(QWEN3_5_SMALL)["tie_word_embeddings"]
+    from metrale.workers.models.loader import load_model
+    ours, _ = load_model(path, "cpu", "float32")
+    every = sum(p.numel() * 4 for p in ours.parameters())   # tied: the table is counted once
+    assert weight_bytes(ours) == every
