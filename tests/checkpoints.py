@@ -4,14 +4,33 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import pathlib
+
+import sys
 
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+
+
+def _import_oracle_without_fla() -> None:
+    """transformers binds flash-linear-attention's Triton kernels when `fla` imports (the GPU
+    machine has it); the oracle runs on CPU in float32, so its Qwen3.5 module is imported with
+    `fla` hidden and keeps the torch recurrences. The engine still imports fla afterwards."""
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None
+    try:
+        importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+
+
+_import_oracle_without_fla()
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|mask|>"]
 # Released Qwen tokenizers split with this regex before ByteLevel; transformers' Qwen3_5Tokenizer (which AutoTokenizer

@@ -87,6 +87,8 @@ class Worker:
         self.backend = attention_backend(config.attention_backend, self.device)
         self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype, tp)
         cfg = self.model.config
+        if self.backend == "triton" and tp.size == 1:
+            self.model.fuse_projections()
         # CUDA graphs pad batches with sequences that own one spare KV block and SSM slot
         self.use_graphs = (config.cuda_graphs and self.device.type == "cuda"
                            and self.backend == "triton" and tp.size == 1)

@@ -125,3 +125,30 @@ def test_engine_on_the_kernels_matches_the_reference(checkpoint, dflash_drafter,
         assert out.token_ids == checkpoints.reference_greedy(model_dir, prompt, 24)
     if graphs:
         assert llm.worker.graphs.graphs, "no step ran as a CUDA graph"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [False, True])
+def test_fused_norms_and_activation_match_the_modules(dtype, offset):
+    from metrale.workers.models.layers import RMSNorm, Rotary
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(int(offset))
+    norm = RMSNorm(96, 1e-6, offset).to(DEVICE, dtype)
+    head_norm = RMSNorm(64, 1e-6, offset).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+        head_norm.weight.normal_(generator=g)
+    x, h = (torch.randn(5, 96, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    with torch.inference_mode():
+        assert rel_err(norm.fused(x), norm(x)) < tol
+        normed, summed = norm.fused(h, residual=x)
+        assert torch.equal(summed, x + h) and rel_err(normed, norm(x + h)) < tol
+        rotary = Rotary(16, 10000.0).to(DEVICE)
+        cos, sin = rotary.cos_sin(torch.arange(3, 8, device=DEVICE), dtype)
+        q = torch.randn(5, 4, 128, generator=g, device=DEVICE).to(dtype)[..., :64]   # strided heads
+        assert rel_err(head_norm.fused_rope(q, cos, sin), Rotary.apply(head_norm(q), cos, sin)) < tol
+        gate_up = torch.randn(5, 2 * 80, generator=g, device=DEVICE).to(dtype)
+        ref = F.silu(gate_up[:, :80]) * gate_up[:, 80:]
+        assert rel_err(kernels.silu_mul(gate_up), ref) < tol

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from metrale.workers.batch import ForwardBatch
@@ -39,18 +40,36 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.heads, -1)
-        if self.gated:  # per head: [query | gate]
-            q, gate = q.chunk(2, dim=-1)
-        q = Rotary.apply(self.q_norm(q), *cos_sin)
-        k = Rotary.apply(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)),
-                         *cos_sin)
-        v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+        if batch.backend == "triton" and hasattr(self, "qkv"):
+            q, k, v = self._fused_qkv(x, cos_sin)
+            gate = q[1] if self.gated else None
+            q = q[0]
+        else:
+            q = self.q_proj(x).view(rows, self.heads, -1)
+            if self.gated:  # per head: [query | gate]
+                q, gate = q.chunk(2, dim=-1)
+            q = Rotary.apply(self.q_norm(q), *cos_sin)
+            k = Rotary.apply(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)),
+                             *cos_sin)
+            v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv, self.kv_index, batch, self.head_dim ** -0.5)
         out = out.reshape(rows, -1)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(rows, -1))
         return self.o_proj(out)
+
+    def _fused_qkv(self, x, cos_sin):
+        """q, k, v from one GEMM; norm and rotary in one kernel each. q is (query, gate)."""
+        rows, d = x.shape[0], self.head_dim
+        qkv = F.linear(x, self.qkv)
+        q_width = self.heads * d * (2 if self.gated else 1)
+        q = qkv[:, :q_width].view(rows, self.heads, -1)
+        k = qkv[:, q_width:q_width + self.kv_heads * d].view(rows, self.kv_heads, d)
+        v = qkv[:, q_width + self.kv_heads * d:].view(rows, self.kv_heads, d)
+        gate = q[..., d:] if self.gated else None
+        cos, sin = cos_sin
+        return ((self.q_norm.fused_rope(q[..., :d], cos, sin), gate),
+                self.k_norm.fused_rope(k, cos, sin), v)
 
 
 class DecoderLayer(nn.Module):
@@ -67,11 +86,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
 
     def forward(self, x, cos_sin, batch, kv, ssm):
-        h = self.input_layernorm(x)
+        fused = batch.backend == "triton"
+        h = self.input_layernorm.fused(x) if fused else self.input_layernorm(x)
         if hasattr(self, "linear_attn"):
             h = self.linear_attn(h, batch, ssm)
         else:
             h = self.self_attn(h, cos_sin, batch, kv)
+        if fused:   # the residual add and the norm in one kernel
+            h, x = self.post_attention_layernorm.fused(h, residual=x)
+            return x + self.mlp(h, fused=True)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -117,6 +140,27 @@ class CausalLM(nn.Module):
             if i in capture:
                 captured[i] = x
         return x, [captured[i] for i in capture]
+
+    def fuse_projections(self) -> None:
+        """Concatenates q/k/v and gate/up weights into one tensor each, the separate parameters
+        becoming views of it, so the Triton path runs one GEMM where the torch path runs two or
+        three. For a single rank without biases (the fused path is not used otherwise)."""
+        def fuse(owner, name, parts):
+            whole = torch.cat([p.weight.data for p in parts])
+            start = 0
+            for p in parts:
+                n = p.weight.shape[0]
+                p.weight.data = whole[start:start + n]
+                start += n
+            setattr(owner, name, whole)
+        for layer in self.model.layers:
+            fuse(layer.mlp, "gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+            d = getattr(layer, "linear_attn", None)
+            if d is not None:
+                fuse(d, "in_proj", [d.in_proj_qkv, d.in_proj_z, d.in_proj_b, d.in_proj_a])
+            a = getattr(layer, "self_attn", None)
+            if a is not None and a.q_proj.bias is None:
+                fuse(a, "qkv", [a.q_proj, a.k_proj, a.v_proj])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -74,10 +74,16 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMSlotPool) -> torch.Tensor:
         n_rows = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(n_rows, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if batch.backend == "triton" and hasattr(self, "in_proj"):   # one GEMM for all four
+            mixed, z, b, a = F.linear(x, self.in_proj).split(
+                [2 * self.key_dim + self.value_dim, self.value_dim, self.num_v_heads,
+                 self.num_v_heads], dim=-1)
+        else:
+            mixed, z, b, a = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x),
+                              self.in_proj_a(x))
+        z = z.reshape(n_rows, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = torch.empty(n_rows, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         pool.check_verify(batch.seqs)
         for rows, slots, verify in _groups(batch, x.device):

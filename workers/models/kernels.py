@@ -125,6 +125,67 @@ if triton is not None:
         if not KEEP:
             tl.store(state_ptr + slot * HV * DK * DV + cell, state)
 
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                         HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: (x + residual, rounded to x's dtype, stored) then RMSNorm times the weight,
+        rounding where the torch modules round."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(res_ptr + row * n_cols + cols, mask=ok,
+                                            other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * n_cols + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        normed = xf * tl.rsqrt(tl.sum(xf * xf) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if OFFSET:
+            y = normed * (1.0 + w)
+        else:
+            y = normed.to(x_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh,
+                          eps, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, OFFSET: tl.constexpr):
+        """One head of one row: RMSNorm over the head, then rotary on its first ROT features."""
+        row, head = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, HEAD_DIM)
+        half = ROT // 2
+        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+        base = x_ptr + row * stride_xt + head * stride_xh
+        x = tl.load(base + d).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x) / HEAD_DIM + eps)
+        xp = tl.load(base + partner).to(tl.float32)
+        w, wp = tl.load(w_ptr + d).to(tl.float32), tl.load(w_ptr + partner).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        if OFFSET:
+            y, yp = (x * r * (1.0 + w)).to(dtype), (xp * r * (1.0 + wp)).to(dtype)
+        else:
+            y = ((x * r).to(dtype).to(tl.float32) * w).to(dtype)
+            yp = ((xp * r).to(dtype).to(tl.float32) * wp).to(dtype)
+        c = tl.load(cos_ptr + row * ROT + d, mask=d < ROT, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + row * ROT + d, mask=d < ROT, other=0.0).to(tl.float32)
+        rotated = tl.where(d < half, -yp.to(tl.float32), yp.to(tl.float32))
+        a = (y.to(tl.float32) * c).to(dtype).to(tl.float32)
+        b = (rotated * s).to(dtype).to(tl.float32)
+        out = tl.where(d < ROT, (a + b).to(dtype), y)
+        tl.store(out_ptr + (row * heads + head) * HEAD_DIM + d, out)
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+        """x: [rows, 2 * n] as [gate | up]; out = silu(gate) * up, rounded as torch rounds."""
+        row, block = tl.program_id(0), tl.program_id(1)
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * n_cols + cols, (act * up).to(dtype), mask=ok)
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
@@ -170,4 +231,39 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         q, k, v, g, beta, out, state, slots, keep if keep is not None else state,
         entries if entries is not None else slots, length, dk ** -0.5,
         HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, num_warps=4)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
+             residual: torch.Tensor | None = None):
+    """RMSNorm of x's rows ([T, n], contiguous); with `residual`, of x + residual, returning
+    (normed, x + residual)."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else None
+    _rms_norm_kernel[(x.numel() // n,)](
+        x, residual if residual is not None else x, weight, out,
+        summed if summed is not None else out, n, eps, HAS_RES=residual is not None,
+        OFFSET=offset, BLOCK=_pow2(n), num_warps=8 if n >= 2048 else 4)
+    return (out, summed) if residual is not None else out
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
+              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then rotary: x [T, heads, D] (rows and heads may be strided; D is
+    contiguous), cos and sin [T, 1, R]. Returns a contiguous [T, heads, D]."""
+    rows, heads, dim = x.shape
+    assert x.stride(2) == 1 and dim == _pow2(dim)
+    out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(rows, heads)](x, weight, cos.contiguous(), sin.contiguous(), out, heads,
+                                     x.stride(0), x.stride(1), eps, HEAD_DIM=dim,
+                                     ROT=cos.shape[-1], OFFSET=offset, num_warps=1)
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2n] holding [gate | up] per row. Returns silu(gate) * up, [T, n]."""
+    rows, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](x, out, n, BLOCK=1024, num_warps=4)
     return out

@@ -21,6 +21,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps, self.offset = eps, offset
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The same in one Triton kernel; with `residual`, of x + residual: (normed, sum)."""
+        return kernels.rms_norm(x, self.weight, self.eps, self.offset, residual)
+
+    def fused_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Per-head norm of x [T, heads, D], then rotary, in one Triton kernel."""
+        return kernels.norm_rope(x, self.weight, self.eps, self.offset, cos, sin)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:  # Qwen3.5 multiplies in float32 and casts last
@@ -49,7 +57,9 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, intermediate, False, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused and hasattr(self, "gate_up"):   # one GEMM, one activation kernel
+            return self.down_proj(kernels.silu_mul(F.linear(x, self.gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
