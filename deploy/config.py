@@ -37,9 +37,10 @@ class MetraleConfig(BaseModel):
         "ngram (prompt lookup), self (layer skip), none.")
     drafter: str | None = Field(None, description="DFlash drafter directory (z-lab layout); "
                                 "with the bundled model, its bundled drafter by default.")
-    num_drafts: int | None = Field(None, ge=0, description="Drafts per speculative round; the "
-                                   "scheduler clamps it to each slot's verify capacity. Default: "
-                                   "the DFlash block size - 1, else 3.")
+    num_drafts: int | None = Field(None, ge=0, description="Drafts per speculative round (the "
+                                   "most, with adaptive_drafts); the scheduler clamps it to each "
+                                   "slot's verify capacity. Default: the DFlash block size - 1, "
+                                   "else 3.")
     adaptive_drafts: bool = Field(True, description="Choose each round's drafts, 0 to num_drafts, "
                                   "for the most tokens per second from measured acceptance and "
                                   "step times; false: every round carries num_drafts.")
