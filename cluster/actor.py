@@ -124,12 +124,14 @@ class SchedulerActor:
         return pack(self.outboxes.pop(consumer, []))
 
     async def state(self) -> dict:
-        """Per-worker queues, KV blocks and slots, and speculation totals (tests, operators)."""
+        """Per-worker queues, KV blocks, slots and draft policies, and speculation totals
+        (tests, operators)."""
         engine = await self._started()
         return {"lanes": [vars(load) for load in engine.loads()],
                 "requests": len(engine.streams),
                 "outboxes": sum(map(len, self.outboxes.values())),
-                "spec": engine.spec_stats().as_dict()}
+                "spec": engine.spec_stats().as_dict(),
+                "draft_policies": [lane.scheduler.drafts.as_dict() for lane in engine.lanes]}
 
     async def memory_reports(self) -> list[dict]:
         await self._started()

@@ -60,7 +60,7 @@ class Lane:
         s = self.scheduler
         return LaneLoad(len(s.waiting), len(s.running), s.blocks.num_free, s.blocks.num_blocks,
                         s.slots.num_free, s.capacity.num_slots, self.steps, s.num_preemptions,
-                        self.state, self.restarts)
+                        self.state, self.restarts, s.drafts.last_k)
 
 
 @dataclass
@@ -76,6 +76,7 @@ class LaneLoad:
     preemptions: int
     state: str = UP
     restarts: int = 0
+    draft_length: int = 0   # the draft policy's k for the latest round
 
     @property
     def kv_usage(self) -> float:
@@ -275,6 +276,7 @@ class ReplicaEngine:
 
     def _fresh_scheduler(self, lane: Lane) -> Scheduler:
         scheduler = Scheduler(self.config, lane.executor.capacity, self.tokenizer)
-        scheduler.stats, scheduler.num_preemptions = lane.scheduler.stats, \
-            lane.scheduler.num_preemptions
+        # the restarted worker is as fast and its drafter as good: keep what was measured
+        scheduler.stats, scheduler.num_preemptions, scheduler.drafts = \
+            lane.scheduler.stats, lane.scheduler.num_preemptions, lane.scheduler.drafts
         return scheduler

@@ -21,6 +21,8 @@ class ReplicaMetrics:
                                 "Fraction of sequence slots (SSM state, verify pool) in use",
                                 worker)
         self.preemptions = Counter("metrale_preemptions_total", "Sequences preempted", worker)
+        self.draft_length = Gauge("metrale_draft_length", "Drafts per sequence the draft policy "
+                                  "chose for the latest round", worker)
         self.proposed = Counter("metrale_drafts_proposed_total", "Draft tokens verified",
                                 ("replica",))
         self.accepted = Counter("metrale_drafts_accepted_total", "Draft tokens accepted",
@@ -40,6 +42,7 @@ class ReplicaMetrics:
             self.waiting.set(load.waiting, tags)
             self.kv_usage.set(load.kv_usage, tags)
             self.slot_usage.set(load.slot_usage, tags)
+            self.draft_length.set(load.draft_length, tags)
             if load.preemptions > self._last_preemptions[rank]:
                 self.preemptions.inc(load.preemptions - self._last_preemptions[rank], tags)
             self._last_preemptions[rank] = load.preemptions

@@ -46,6 +46,8 @@ class SeqOutcome:
 @dataclass
 class StepResult:
     outcomes: list[SeqOutcome] = field(default_factory=list)
+    propose_s: float = 0.0     # seconds the step spent drafting
+    forward_s: float = 0.0     # seconds in the target forward, verify and commit
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from metrale.cluster.block_manager import BlockManager, SlotAllocator
 from metrale.cluster.detokenizer import IncrementalDetokenizer
+from metrale.cluster.draft_policy import DraftPolicy
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.plan import SeqWork, StepPlan, StepResult, WorkerCapacity
 from metrale.cluster.sequence import Sequence, Status, TokenLogprob
@@ -32,6 +33,7 @@ class SchedulerConfig:
     max_model_len: int | None = None    # defaults to the model's context (and the cache's size)
     prefix_caching: bool = True         # only used for models without linear-attention layers
     num_drafts: int = 0                 # drafts per speculative round (0: no speculation)
+    adaptive_drafts: bool = True        # num_drafts is the most; each round's k is measured best
 
 
 class Scheduler:
@@ -46,6 +48,7 @@ class Scheduler:
                                    and capacity.prefix_sharing)
         self.slots = SlotAllocator(capacity.num_slots)
         self.num_drafts = self._draft_limit(config.num_drafts, capacity)
+        self.drafts = DraftPolicy(self.num_drafts, config.adaptive_drafts)
         limit = min(capacity.max_model_len, capacity.num_blocks * capacity.block_size)
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.waiting: deque[Sequence] = deque()
@@ -121,13 +124,15 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
+        decoding = sum(s.num_pending == 1 for s in self.running)
+        k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:   # preempted earlier in this loop
                 continue
             n = min(seq.num_pending, budget)
-            k = self._drafts_for(seq, budget - 1) if seq.num_pending == 1 else 0
+            k = self._drafts_for(seq, k_round, budget - 1) if seq.num_pending == 1 else 0
             while not self.blocks.can_append(seq.block_table, seq.num_computed + n + k):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -162,6 +167,7 @@ class Scheduler:
         by_id = {s.seq_id: s for s in self.running}
         outcomes = {o.seq_id: o for o in result.outcomes}
         touched = []
+        self._measure(plan, result)
         for w in plan.work:
             seq = by_id.get(w.seq_id)
             if seq is None:                    # aborted while the step ran
@@ -204,14 +210,27 @@ class Scheduler:
                        next_token=None if samples else tokens[start + n],
                        grammar=p.grammar, constraint=p.constraint)
 
-    def _drafts_for(self, seq: Sequence, room: int) -> int:
-        """Drafts for a sequence's next round: never more than its slot's verify capacity, the
+    def _drafts_for(self, seq: Sequence, k: int, room: int) -> int:
+        """The round's k for one sequence: never more than its slot's verify capacity, the
         step's remaining token budget, or what max_tokens and the context can still take."""
-        if not self.num_drafts:
+        if not k:
             return 0
         left = min(seq.params.max_tokens - len(seq.output_ids),
                    self.max_model_len - seq.num_tokens)
-        return max(0, min(self.num_drafts, self.capacity.slot_capacity[seq.slot], room, left - 1))
+        return max(0, min(k, self.capacity.slot_capacity[seq.slot], room, left - 1))
+
+    def _measure(self, plan: StepPlan, result: StepResult) -> None:
+        """Feeds the draft policy a step's acceptance, and its time when every sequence of it
+        decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
+        asked for: one the proposer did not make gains no token, like a rejected one."""
+        if not self.num_drafts:
+            return
+        outcomes = {o.seq_id: o for o in result.outcomes}
+        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
+                                       for w in plan.work if w.seq_id in outcomes])
+        if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
+            self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
+                                    result.propose_s, result.forward_s)
 
     @staticmethod
     def _draft_limit(requested: int, capacity: WorkerCapacity) -> int:

@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="YAML file of MetraleConfig settings")
     p.add_argument("--model", default=None)
     p.add_argument("--speculative-method", default=None, choices=list(METHODS))
-    p.add_argument("--num-drafts", type=int, default=None)
+    p.add_argument("--num-drafts", type=int, default=None, help="most drafts per round")
+    p.add_argument("--adaptive-drafts", action=argparse.BooleanOptionalAction, default=None,
+                   help="measured best drafts per round, up to --num-drafts (default); "
+                        "--no-adaptive-drafts: always --num-drafts")
     p.add_argument("--drafter", default=None)
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--workers-per-replica", type=int, default=None)
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = MetraleConfig.load(
             args.config, model=args.model, speculative_method=args.speculative_method,
-            num_drafts=args.num_drafts, drafter=args.drafter, replicas=args.replicas,
+            num_drafts=args.num_drafts, adaptive_drafts=args.adaptive_drafts,
+            drafter=args.drafter, replicas=args.replicas,
             workers_per_replica=args.workers_per_replica,
             tensor_parallel_size=args.tensor_parallel_size, name=args.name)
         load_tokenizer(config.model_path)

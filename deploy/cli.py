@@ -34,7 +34,10 @@ def _generate_parser(sub) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
     p.add_argument("--speculative-method", default="none", choices=list(METHODS))
     p.add_argument("--num-drafts", type=int, default=None,
-                   help="drafts per round (default: the DFlash block size - 1, else 3)")
+                   help="most drafts per round (default: the DFlash block size - 1, else 3)")
+    p.add_argument("--adaptive-drafts", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose each round's drafts (0 to --num-drafts) from measured acceptance "
+                        "and step times (default); --no-adaptive-drafts: always --num-drafts")
     p.add_argument("--drafter", default=None,
                    help="DFlash drafter directory (default with the bundled model: its drafter)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -57,7 +60,8 @@ def cmd_generate(args) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_bytes=args.kv_cache_mb << 20,
                   speculative_method=args.speculative_method, num_drafts=args.num_drafts,
-                  drafter=drafter, tensor_parallel_size=args.tensor_parallel_size)
+                  adaptive_drafts=args.adaptive_drafts, drafter=drafter,
+                  tensor_parallel_size=args.tensor_parallel_size)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"metrale generate: {e}", file=sys.stderr)
         return 2
@@ -162,7 +166,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--config", default=None, help="YAML file of MetraleConfig settings")
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory")
     p.add_argument("--speculative-method", default=None, choices=list(METHODS))
-    p.add_argument("--num-drafts", type=int, default=None, help="drafts per round")
+    p.add_argument("--num-drafts", type=int, default=None, help="most drafts per round")
+    p.add_argument("--adaptive-drafts", action=argparse.BooleanOptionalAction, default=None,
+                   help="measured best drafts per round, up to --num-drafts (default); "
+                        "--no-adaptive-drafts: always --num-drafts")
     p.add_argument("--drafter", default=None, help="DFlash drafter directory")
     p.add_argument("--replicas", type=int, default=None, help="model replicas (data parallel)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -177,7 +184,8 @@ def cmd_serve(args) -> int:
     try:
         config = MetraleConfig.load(
             args.config, model=args.model, speculative_method=args.speculative_method,
-            num_drafts=args.num_drafts, drafter=args.drafter, replicas=args.replicas,
+            num_drafts=args.num_drafts, adaptive_drafts=args.adaptive_drafts,
+            drafter=args.drafter, replicas=args.replicas,
             tensor_parallel_size=args.tensor_parallel_size, host=args.host, port=args.port)
         return run_server(config)
     except (ConfigError, CheckpointError) as e:

@@ -37,9 +37,13 @@ class MetraleConfig(BaseModel):
         "ngram (prompt lookup), self (layer skip), none.")
     drafter: str | None = Field(None, description="DFlash drafter directory (z-lab layout); "
                                 "with the bundled model, its bundled drafter by default.")
-    num_drafts: int | None = Field(None, ge=0, description="Drafts per speculative round; the "
-                                   "scheduler clamps it to each slot's verify capacity. Default: "
-                                   "the DFlash block size - 1, else 3.")
+    num_drafts: int | None = Field(None, ge=0, description="Drafts per speculative round (the "
+                                   "most, with adaptive_drafts); the scheduler clamps it to each "
+                                   "slot's verify capacity. Default: the DFlash block size - 1, "
+                                   "else 3.")
+    adaptive_drafts: bool = Field(True, description="Choose each round's drafts, 0 to num_drafts, "
+                                  "for the most tokens per second from measured acceptance and "
+                                  "step times; false: every round carries num_drafts.")
     verify_pool_bytes: int | None = Field(None, ge=0, description="Verify-pool budget per worker "
                                           "(hybrid models); default: every slot gets num_drafts + "
                                           "1 entries.")
@@ -170,7 +174,7 @@ class MetraleConfig(BaseModel):
     def scheduler_config(self) -> SchedulerConfig:
         """Drafts per round are filled in from the workers' proposer (ReplicaEngine.build)."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                               self.prefix_caching)
+                               self.prefix_caching, adaptive_drafts=self.adaptive_drafts)
 
     def replica_spec(self, cluster_gpus: float) -> ReplicaSpec:
         gpus = self.gpus_per_worker if self.gpus_per_worker is not None else float(cluster_gpus > 0)

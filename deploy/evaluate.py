@@ -81,7 +81,8 @@ def evaluate(model_dir: Path, dflash_dir: Path | None = None, *, num_prompts: in
     acceptance = []
     for method, k, drafter in speculative_runs(model_dir, dflash_dir, list(ks)):
         llm = LLM(model_dir, device=device, dtype=dtype, max_num_seqs=num_prompts,
-                  speculative_method=method, num_drafts=k, drafter=drafter)
+                  speculative_method=method, num_drafts=k, adaptive_drafts=False,
+                  drafter=drafter)   # acceptance at this k, every round
         row = {"method": method, "k": k}
         for temperature in (0.0, 1.0):
             llm.scheduler.stats = SpecStats()

@@ -83,12 +83,15 @@ class LLM:
                  block_size: int = 16, kv_cache_bytes: int = 256 << 20, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  prefix_caching: bool = True, speculative_method: str = "none",
-                 num_drafts: int | None = None, drafter: str | Path | None = None,
-                 tensor_parallel_size: int = 1, **worker_options):
+                 num_drafts: int | None = None, adaptive_drafts: bool = True,
+                 drafter: str | Path | None = None, tensor_parallel_size: int = 1,
+                 **worker_options):
         """`worker_options` are further WorkerConfig fields (verify_pool_bytes, max_drafts,
         mtp_confidence_threshold, self_spec_layers, dflash_window, ngram_min, ngram_max, ...).
         With `tensor_parallel_size` N > 1 the model is split over N Ray actors (a local Ray is
-        started when this process is not connected to one); `close()` stops them."""
+        started when this process is not connected to one); `close()` stops them.
+        `num_drafts` is the most drafts a round carries; with `adaptive_drafts` each round takes
+        the k (0 included) with the most measured tokens per second, else always `num_drafts`."""
         self.tokenizer = load_tokenizer(model)
         self.chat_template = read_chat_template(model)
         if num_drafts is not None:
@@ -105,7 +108,8 @@ class LLM:
         capacity = self.worker.capacity
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching,
-                            drafts_per_round(num_drafts, capacity)), capacity, self.tokenizer)
+                            drafts_per_round(num_drafts, capacity), adaptive_drafts),
+            capacity, self.tokenizer)
         self._ids = itertools.count()
 
     def close(self) -> None:

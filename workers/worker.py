@@ -176,11 +176,13 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult:
         if not plan.work:
             return StepResult()
+        start = time.perf_counter()
         self._track_history(plan.work)
         # Whether there are drafts or verdicts at all follows from the plan alone, so every rank
         # takes rank 0's, or none has any.
         drafts = self._propose(plan.work)
         drafts = self.tp.agree(drafts) if drafts else drafts
+        proposed = time.perf_counter()
         verifying = {sid for sid, d in drafts.items() if d}
         batch = ForwardBatch.build(
             [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
@@ -205,7 +207,7 @@ class Worker:
                                                       captured))
         if self.proposer:
             self.proposer.commit(committed)
-        return StepResult(outcomes)
+        return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
 
     @torch.inference_mode()
     def time_forward(self, batch_size: int, rows: int, context_len: int, iters: int = 20) -> float:

@@ -58,8 +58,9 @@ def worker_config(model_dir, method: str, drafter=None) -> WorkerConfig:
 
 
 def make_engine(model_dir, executors, **limits) -> ReplicaEngine:
-    return ReplicaEngine.build(executors, SchedulerConfig(max_num_seqs=8), 3,
-                               load_tokenizer(model_dir), **limits)
+    # a fixed k: seeded samples and logprobs are compared with an in-process run's
+    return ReplicaEngine.build(executors, SchedulerConfig(max_num_seqs=8, adaptive_drafts=False),
+                               3, load_tokenizer(model_dir), **limits)
 
 
 async def collect(eng: ReplicaEngine, request_id: str, ids: list[int], params: SamplingParams):
@@ -91,7 +92,7 @@ def test_requests_survive_a_worker_death_with_the_same_output(checkpoint, dflash
     drafter = dflash_drafter("qwen3_5") if method == "dflash" else None
     config = worker_config(model_dir, method, drafter)
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method=method, drafter=drafter,
-              num_drafts=3)
+              num_drafts=3, adaptive_drafts=False)
     prompts = [llm.encode(p) for p in PROMPTS]
     expected = llm.generate(prompts, PARAMS)
     # with two workers, worker 0 dies and its requests move to worker 1 (or back, once

@@ -41,6 +41,8 @@ def test_yaml_then_flags(tmp_path, checkpoint):
     worker = flags.worker_config()
     assert (worker.model, worker.max_drafts, worker.speculative_method) == \
         (str(checkpoint("qwen3")), 4, "self")
+    assert flags.scheduler_config().adaptive_drafts
+    assert not flags.with_overrides(adaptive_drafts=False).scheduler_config().adaptive_drafts
 
 
 def test_cluster_resources_decide_the_worker_device(checkpoint):

@@ -40,6 +40,8 @@ def server(ray_cluster, checkpoint, dflash_drafter, tmp_path_factory):
             "name": "metrale", "route_prefix": "/", "import_path": "metrale.deploy.serve:build_app",
             "args": {"model": str(model_dir), "speculative_method": "dflash",
                      "drafter": str(drafter), "device": "cpu", "block_size": 4,
+                     # a fixed k: seeded samples are compared with the in-process engine's
+                     "adaptive_drafts": False,
                      "max_num_seqs": 16, "replicas": 2, "workers_per_replica": 2,
                      "cpus_per_worker": 0.5, "max_pending_requests": MAX_PENDING}}]}))
     schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
@@ -50,7 +52,8 @@ def server(ray_cluster, checkpoint, dflash_drafter, tmp_path_factory):
               route_prefix=app.route_prefix)
     url = f"http://127.0.0.1:{port}"
     wait_for_200(f"{url}/health", 180)
-    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="dflash", drafter=drafter)
+    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="dflash", drafter=drafter,
+              adaptive_drafts=False)
     yield url, model_dir, drafter, llm
     serve.shutdown()
 

@@ -47,8 +47,8 @@ def test_cli_reports_speculation_statistics(checkpoint, dflash_drafter):
             str(checkpoint("qwen3_5")), "--prompt", "def f(x):", "--prompt", "The café",
             "--max-tokens", "12", "--ignore-eos", "--json", "--device", "cpu"]
     plain = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    spec = subprocess.run(args + ["--speculative-method", "dflash", "--drafter",
-                                  str(dflash_drafter("qwen3_5"))],
+    spec = subprocess.run(args + ["--speculative-method", "dflash", "--no-adaptive-drafts",
+                                  "--drafter", str(dflash_drafter("qwen3_5"))],
                           capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     for a, b in zip(plain.stdout.splitlines(), spec.stdout.splitlines()):

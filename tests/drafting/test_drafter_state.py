@@ -26,6 +26,7 @@ def test_drafter_state_after_partial_acceptance_equals_fresh_prefill(
         checkpoint, dflash_drafter, method, name):
     model_dir = checkpoint(name)
     kw = dict(device="cpu", block_size=4, speculative_method=method, num_drafts=3,
+              adaptive_drafts=False,
               drafter=dflash_drafter(name) if method == "dflash" else None)
     llm = LLM(model_dir, max_num_batched_tokens=6, **kw)     # chunked prefill too
     prompt = llm.encode(PROMPTS[3])

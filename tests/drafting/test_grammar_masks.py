@@ -39,7 +39,7 @@ def test_constrained_output_with_and_without_speculation(checkpoint, method, tem
     for spec in ("none", method):
         grammar = ParityGrammar(vocab)
         llm = LLM(model_dir, device="cpu", speculative_method=spec,
-                  num_drafts=3 if spec != "none" else None)
+                  num_drafts=3 if spec != "none" else None, adaptive_drafts=False)
         params = SamplingParams(max_tokens=24, temperature=temperature, seed=5, ignore_eos=True,
                                 constraint=grammar)
         out = llm.generate(PROMPTS[:2], params)

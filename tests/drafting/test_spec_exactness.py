@@ -38,6 +38,7 @@ def test_greedy_speculation_is_exact(checkpoint, dflash_drafter, method, name, k
     # Verify pools for about 2 full-depth slots: the others get less (or no) capacity.
     pool = dict(verify_pool_bytes=per_entry * (2 * (k + 1) + 2)) if per_entry else {}
     llm = LLM(model_dir, device="cpu", speculative_method=method, num_drafts=k,
+              adaptive_drafts=False,
               drafter=dflash_drafter(name, block_size=k + 1) if method == "dflash" else None,
               kv_cache_bytes=40 * _kv_block_bytes(model_dir), **kw, **pool)
     if per_entry:
@@ -83,7 +84,7 @@ class OracleProposer:
 def test_every_acceptance_length_commits_exactly(checkpoint, name, k):
     model_dir = checkpoint(name)
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="ngram", num_drafts=k,
-              max_num_batched_tokens=16)
+              adaptive_drafts=False, max_num_batched_tokens=16)
     prompts = [llm.encode(p) for p in PROMPTS]
     refs = reference(model_dir, prompts)
     llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
@@ -100,7 +101,7 @@ def test_round_k_is_the_minimum_capacity_without_ragged_drafts(checkpoint):
     model_dir = checkpoint("qwen3_5")
     per_entry = entry_bytes(dict(block_size=4), model_dir)
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="self", num_drafts=3,
-              max_num_seqs=3, verify_pool_bytes=per_entry * 6)
+              adaptive_drafts=False, max_num_seqs=3, verify_pool_bytes=per_entry * 6)
     assert llm.worker.capacity.slot_capacity == (3, 1, 0)
     llm.scheduler.capacity = dataclasses.replace(llm.scheduler.capacity, ragged_drafts=False)
     for p in PROMPTS[:3]:
@@ -121,7 +122,7 @@ def test_ragged_drafts_respect_each_slot(checkpoint):
     model_dir = checkpoint("qwen3_5")
     per_entry = entry_bytes(dict(block_size=4), model_dir)
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="self", num_drafts=3,
-              max_num_seqs=3, verify_pool_bytes=per_entry * 6)
+              adaptive_drafts=False, max_num_seqs=3, verify_pool_bytes=per_entry * 6)
     for p in PROMPTS[:3]:
         llm.add_request(llm.encode(p), GREEDY)
     caps = llm.worker.capacity.slot_capacity

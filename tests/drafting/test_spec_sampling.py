@@ -61,7 +61,7 @@ def chi_square_pvalue(paths, joint) -> float:
 
 # Self-speculation with all but one layer drafts well enough for many acceptances and rejections
 # of tokens inside the support.
-SPEC = dict(speculative_method="self", num_drafts=2, self_spec_layers=3)
+SPEC = dict(speculative_method="self", num_drafts=2, self_spec_layers=3, adaptive_drafts=False)
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ SCHEMAS = {
 @pytest.fixture(scope="module")
 def engines(checkpoint):
     model_dir = checkpoint("qwen3_5")
-    return {m: LLM(model_dir, device="cpu", speculative_method=m) for m in ("none", "mtp")}
+    return {m: LLM(model_dir, device="cpu", speculative_method=m, adaptive_drafts=False)
+            for m in ("none", "mtp")}
 
 
 @pytest.mark.parametrize("name", list(SCHEMAS))
@@ -88,7 +89,7 @@ def test_invalid_grammars_are_refused_alone(engines, spec, message):
 @pytest.mark.parametrize("method", ["dflash", "ngram", "self"])
 def test_every_proposer_keeps_the_schema(checkpoint, dflash_drafter, engines, method):
     schema, model_dir = SCHEMAS["nested"], checkpoint("qwen3_5")
-    llm = LLM(model_dir, device="cpu", speculative_method=method,
+    llm = LLM(model_dir, device="cpu", speculative_method=method, adaptive_drafts=False,
               drafter=dflash_drafter("qwen3_5") if method == "dflash" else None)
     spec = GrammarSpec("json_schema", json.dumps(schema))
     for temperature in (0.0, 1.0):

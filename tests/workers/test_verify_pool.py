@@ -15,7 +15,7 @@ from metrale.workers.batch import ForwardBatch
 def test_state_after_j_accepted_equals_serial_decode(checkpoint, name):
     k = 5
     llm = LLM(checkpoint(name), device="cpu", block_size=4, max_num_seqs=2,
-              speculative_method="ngram", num_drafts=k)
+              speculative_method="ngram", num_drafts=k, adaptive_drafts=False)
     rid = llm.add_request(llm.encode(PROMPTS[0]), SamplingParams(max_tokens=8, temperature=0))
     seq = llm.scheduler.by_request[rid][0]
     while not seq.output_ids:

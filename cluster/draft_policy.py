@@ -1,0 +1,149 @@
+"""The draft-length policy: each round's k, from measured acceptance and measured step costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured...
+PRIOR_WEIGHT = 2.0   # ...worth this many observations
+DECAY = 0.95         # per step that observes a position: its history's weight halves in ~14 steps
+COST_DECAY = 0.8     # weight of the old average when a (batch bucket, k) step time is measured
+PROBE_EVERY = 8      # every 8th round runs a neighbour of the best k, so its figures stay current
+
+
+def batch_bucket(batch: int) -> int:
+    """Batch sizes share a cost model per power of two: 1, 2, 4, 8, ..."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class StepCost:
+    """Decaying averages of one (batch bucket, k)'s propose and target forward + verify seconds."""
+    propose_s: float
+    forward_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.propose_s + self.forward_s
+
+    def add(self, propose_s: float, forward_s: float) -> None:
+        self.propose_s = COST_DECAY * self.propose_s + (1 - COST_DECAY) * propose_s
+        self.forward_s = COST_DECAY * self.forward_s + (1 - COST_DECAY) * forward_s
+
+
+class DraftPolicy:
+    """Chooses the drafts per sequence of a round, 0..max_drafts, that maximise expected committed
+    tokens per second: E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j being the measured
+    probability that draft j is accepted when drafts 1..j-1 were, over the measured step time of
+    k drafts at this batch size. Not adaptive, it always answers max_drafts."""
+
+    def __init__(self, max_drafts: int, adaptive: bool = True):
+        self.max_drafts, self.adaptive = max_drafts, adaptive and max_drafts > 0
+        self.tried = [0.0] * max_drafts       # decayed counts per draft position
+        self.accepted = [0.0] * max_drafts
+        self.costs: dict[int, dict[int, StepCost]] = {}   # batch bucket -> k -> measured cost
+        self.chosen: dict[int, int] = {}                  # batch bucket -> k of its last round
+        self.last_k = max_drafts                          # k of the latest round
+        self.rounds = 0
+
+    # -- the choice ---------------------------------------------------------------------
+
+    def choose(self, batch: int) -> int:
+        """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
+        Every PROBE_EVERY-th round tries the best k's neighbour, alternately above and below,
+        so a k that lost once (0 included) is measured again and can win back."""
+        if not self.adaptive:
+            return self.max_drafts
+        bucket = batch_bucket(batch)
+        k = self.best(bucket)
+        self.rounds += 1
+        if self.rounds % PROBE_EVERY == 0:
+            up = (self.rounds // PROBE_EVERY) % 2 == 0
+            k = k + 1 if (up and k < self.max_drafts) or k == 0 else k - 1
+        self.chosen[bucket] = self.last_k = k
+        return k
+
+    def best(self, bucket: int) -> int:
+        """The k with the most expected tokens per second; max_drafts before any step is timed."""
+        table = self._cost_table(bucket)
+        if not table:
+            return self.max_drafts
+        rates = [self.expected_tokens(k) / self.step_seconds(table, k)
+                 for k in range(self.max_drafts + 1)]
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+    def expected_tokens(self, k: int) -> float:
+        """Committed tokens per sequence of a round of k drafts: the bonus or replacement token,
+        plus draft i when it and every draft before it are accepted."""
+        total, reach = 1.0, 1.0
+        for a in self.acceptance_at()[:k]:
+            reach *= a
+            total += reach
+        return total
+
+    def acceptance_at(self) -> list[float]:
+        return [(acc + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+                for acc, tried in zip(self.accepted, self.tried)]
+
+    @staticmethod
+    def step_seconds(table: dict[int, StepCost], k: int) -> float:
+        """A round's measured seconds at k; between measured ks, the straight line through the
+        nearest ones. Beyond them the estimate is optimistic, so that an unmeasured k gets tried:
+        above, more drafts as if free; below, time falling with the rows (k + 1) of the verify."""
+        if k in table:
+            return table[k].seconds
+        below = max((m for m in table if m < k), default=None)
+        above = min((m for m in table if m > k), default=None)
+        if below is None:
+            return table[above].seconds * (k + 1) / (above + 1)
+        if above is None:
+            return table[below].seconds
+        lo, hi = table[below].seconds, table[above].seconds
+        return lo + (hi - lo) * (k - below) / (above - below)
+
+    def _cost_table(self, bucket: int) -> dict[int, StepCost]:
+        """The bucket's measurements, or those of the nearest measured bucket until it has some."""
+        if self.costs.get(bucket):
+            return self.costs[bucket]
+        measured = [b for b, t in self.costs.items() if t]
+        if not measured:
+            return {}
+        return self.costs[min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))]
+
+    # -- measurements -------------------------------------------------------------------
+
+    def record_acceptance(self, outcomes: list[tuple[int, int]]) -> None:
+        """One step's (drafts asked for, drafts accepted) per sequence. Draft i was tried when
+        drafts 1..i-1 were accepted; positions the step did not reach keep their history."""
+        tried = [0] * self.max_drafts
+        accepted = [0] * self.max_drafts
+        for proposed, acc in outcomes:
+            for i in range(min(proposed, acc + 1, self.max_drafts)):
+                tried[i] += 1
+                accepted[i] += i < acc
+        for i, n in enumerate(tried):
+            if n:
+                self.tried[i] = DECAY * self.tried[i] + n
+                self.accepted[i] = DECAY * self.accepted[i] + accepted[i]
+
+    def record_cost(self, batch: int, drafts: int, propose_s: float, forward_s: float) -> None:
+        """A decode step's seconds: `batch` sequences carrying `drafts` drafts in all."""
+        if not batch or not self.adaptive:
+            return
+        k = min(round(drafts / batch), self.max_drafts)
+        table = self.costs.setdefault(batch_bucket(batch), {})
+        if k in table:
+            table[k].add(propose_s, forward_s)
+        else:
+            table[k] = StepCost(propose_s, forward_s)
+
+    # -- state --------------------------------------------------------------------------
+
+    def as_dict(self) -> dict:
+        return {"adaptive": self.adaptive, "max_drafts": self.max_drafts,
+                "acceptance_at": [round(a, 4) for a in self.acceptance_at()],
+                "k_by_batch": {b: self.chosen[b] for b in sorted(self.chosen)},
+                "step_ms_by_batch": {b: {k: {"propose": round(c.propose_s * 1e3, 3),
+                                             "forward": round(c.forward_s * 1e3, 3)}
+                                         for k, c in sorted(t.items())}
+                                     for b, t in sorted(self.costs.items())}}

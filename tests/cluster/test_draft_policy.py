@@ -1,0 +1,188 @@
+"""Adaptive draft length: the policy picks each round's k from acceptance and step costs it is
+given (injected here, never timed), explores back after choosing 0, and only changes speed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import PROMPTS
+from metrale.cluster.draft_policy import PROBE_EVERY, DraftPolicy, StepCost
+from metrale.cluster.params import SamplingParams
+from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
+from metrale.cluster.scheduler import Scheduler, SchedulerConfig
+from metrale.deploy.llm import LLM, load_tokenizer
+
+
+def cheap_verify(batch, k):
+    """(propose, forward) seconds of a small batch on a GPU: extra verify rows cost little."""
+    return 0.0003 * k, 0.010 + 0.0002 * k
+
+
+def verify_by_rows(batch, k):
+    """A large batch (or a CPU): the forward's time grows with every row it verifies."""
+    return 0.0001 * batch * k, 0.0005 * batch * (k + 1)
+
+
+def simulate(policy, rounds, batch, accept, cost, rng):
+    """`rounds` rounds of `batch` sequences that accept each draft with probability `accept`,
+    each round taking cost(batch, k); returns the ks the policy chose."""
+    ks = []
+    for _ in range(rounds):
+        k = policy.choose(batch)
+        outcomes = []
+        for _ in range(batch):
+            j = 0
+            while j < k and rng.random() < accept:
+                j += 1
+            outcomes.append((k, j))
+        policy.record_acceptance(outcomes)
+        policy.record_cost(batch, batch * k, *cost(batch, k))
+        ks.append(k)
+    return ks
+
+
+def without_probes(ks, first_round=1):
+    return [k for i, k in enumerate(ks, first_round) if i % PROBE_EVERY]
+
+
+def test_no_drafts_when_none_are_accepted():
+    policy = DraftPolicy(6)
+    ks = simulate(policy, 80, 8, 0.0, cheap_verify, random.Random(0))
+    assert ks[0] == 6                                     # nothing measured yet: the most
+    assert policy.best(8) == 0
+    assert set(without_probes(ks)[-40:]) == {0}
+    assert set(ks[PROBE_EVERY * 5 - 1::PROBE_EVERY]) == {1}   # still trying 1 now and then
+    assert policy.acceptance_at()[0] < 0.05
+
+
+def test_most_drafts_when_acceptance_is_high_and_verify_cheap():
+    policy = DraftPolicy(6)
+    ks = simulate(policy, 80, 8, 0.9, cheap_verify, random.Random(0))
+    assert policy.best(8) == 6
+    assert set(without_probes(ks)[-40:]) == {6}
+    assert policy.acceptance_at()[0] == pytest.approx(0.9, abs=0.1)
+
+
+def test_costly_verify_at_a_large_batch_turns_speculation_off_there_only():
+    policy, rng = DraftPolicy(4), random.Random(0)
+    for _ in range(60):
+        simulate(policy, 1, 1, 0.8, cheap_verify, rng)
+        simulate(policy, 1, 64, 0.8, verify_by_rows, rng)
+    # Each row verified costs as much as a decoded one, so no k beats plain decoding at 64.
+    assert policy.best(64) == 0
+    assert policy.best(1) == 4
+    state = policy.as_dict()
+    assert set(state["step_ms_by_batch"]) == {1, 64}
+    assert state["step_ms_by_batch"][64][0] == {"propose": 0.0, "forward": 32.0}
+
+
+def test_speculation_comes_back_when_acceptance_recovers():
+    policy, rng = DraftPolicy(4), random.Random(0)
+    simulate(policy, 200, 8, 0.0, cheap_verify, rng)
+    assert policy.best(8) == 0
+    ks = simulate(policy, 200, 8, 0.9, cheap_verify, rng)
+    assert policy.best(8) == 4
+    assert set(without_probes(ks, 201)[-100:]) == {4}
+
+
+def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accepted():
+    policy = DraftPolicy(3)
+    policy.record_acceptance([(3, 0), (3, 1), (3, 3), (1, 1), (0, 0)])
+    assert policy.tried == [4, 2, 1]
+    assert policy.accepted == [3, 1, 1]
+
+
+def test_expected_tokens_and_step_time_estimates():
+    policy = DraftPolicy(3)
+    policy.tried, policy.accepted = [1e9] * 3, [0.8e9, 0.5e9, 0.0]
+    assert policy.expected_tokens(0) == 1
+    assert policy.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.4 + 0)
+    table = {0: StepCost(0.0, 0.010), 4: StepCost(0.002, 0.016)}
+    assert DraftPolicy.step_seconds(table, 2) == pytest.approx(0.014)     # between: the line
+    one = {2: StepCost(0.001, 0.008)}
+    assert DraftPolicy.step_seconds(one, 0) == pytest.approx(0.003)       # below: by rows
+    assert DraftPolicy.step_seconds(one, 5) == pytest.approx(0.009)       # above: as if free
+
+
+def test_fixed_mode_always_answers_num_drafts():
+    policy = DraftPolicy(3, adaptive=False)
+    simulate(policy, 20, 4, 0.0, verify_by_rows, random.Random(0))
+    assert {policy.choose(b) for b in (1, 7, 64)} == {3}
+    assert policy.costs == {}
+
+
+# -- the scheduler plans with the policy's k, within each sequence's limits ---------------------
+
+def scheduler(checkpoint, slot_capacity, **config):
+    capacity = WorkerCapacity(num_blocks=64, block_size=4, num_slots=len(slot_capacity),
+                              max_model_len=256, vocab_size=384, eos_token_ids=(0,),
+                              hybrid=False, proposer="ngram", slot_capacity=slot_capacity)
+    return Scheduler(SchedulerConfig(**config), capacity, load_tokenizer(checkpoint("qwen3")))
+
+
+def step(s, cost=verify_by_rows):
+    """Plans a step and commits it as a worker would that accepts no draft and takes
+    cost(batch, k) seconds."""
+    plan = s.schedule()
+    outcomes = [SeqOutcome(w.seq_id, [7], w.num_drafts, 0) for w in plan.work if w.sample]
+    k = max(w.num_drafts for w in plan.work)
+    s.update(plan, StepResult(outcomes, *cost(len(plan.work), k)))
+    return plan
+
+
+def test_the_policys_k_is_capped_by_slot_capacity_and_tokens_left(checkpoint):
+    s = scheduler(checkpoint, (4, 2, 4), num_drafts=4)
+    for i, max_tokens in enumerate((40, 40, 3)):
+        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert all(w.num_drafts == 0 for w in step(s).work)      # prefill
+    plan = step(s)
+    assert s.drafts.last_k == 4                               # nothing timed yet: the most
+    assert {w.slot: w.num_drafts for w in plan.work} == {0: 4, 1: 2, 2: 1}
+
+
+def test_the_scheduler_stops_drafting_when_the_policy_says_so(checkpoint):
+    s = scheduler(checkpoint, (4, 4), num_drafts=4)
+    for i in range(2):
+        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    step(s)
+    assert s.drafts.costs == {}                   # a prefill step's time is not a decode's
+    seen = [[w.num_drafts for w in step(s).work] for _ in range(24)]
+    assert seen[0] == [4, 4] and seen[1] == [0, 0]     # measured at 4, then tries 0
+    assert all(ks == [0, 0] for i, ks in enumerate(seen[2:], 3) if i % PROBE_EVERY)
+    assert s.drafts.acceptance_at()[0] < 0.2
+    assert set(s.drafts.costs[2]) == {0, 1, 4}
+
+
+def test_fixed_drafts_switch(checkpoint):
+    s = scheduler(checkpoint, (4,), num_drafts=3, adaptive_drafts=False)
+    s.add_request("r", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    step(s)
+    assert all(step(s).work[0].num_drafts == 3 for _ in range(12))
+
+
+# -- end to end: adaptive k only changes speed --------------------------------------------------
+
+@pytest.mark.parametrize("method, name", [("ngram", "qwen3"), ("mtp", "qwen3_5"),
+                                          ("dflash", "qwen3_5")])
+def test_adaptive_greedy_output_equals_plain_decoding(checkpoint, dflash_drafter, method, name):
+    model_dir = checkpoint(name)
+    kw = dict(device="cpu", block_size=4, max_num_seqs=4)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = LLM(model_dir, **kw).generate(PROMPTS, params)
+    llm = LLM(model_dir, speculative_method=method, num_drafts=3,
+              drafter=dflash_drafter(name) if method == "dflash" else None, **kw)
+    assert llm.scheduler.drafts.adaptive
+    ks = set()
+    for p in PROMPTS:
+        llm.add_request(p, params)
+    while llm.scheduler.has_work:
+        plan = llm.scheduler.schedule()
+        ks |= {w.num_drafts for w in plan.work if w.sample and len(w.tokens) == 1}
+        llm.scheduler.update(plan, llm.worker.execute(plan))
+    outs = [llm.finished_output(f"req-{i}") for i in range(len(PROMPTS))]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert {0, 3} <= ks                         # the most first, then 0 once that was timed
+    costs = [c for table in llm.scheduler.drafts.costs.values() for c in table.values()]
+    assert costs and all(c.forward_s > 0 for c in costs)
