@@ -104,7 +104,8 @@ class DFlashProposer:
     max_batch = 64
     keeps_row_state = True
 
-    def __init__(self, target: CausalLM, drafter_dir: str | Path, num_slots: int, window: int):
+    def __init__(self, target: CausalLM, drafter_dir: str | Path, num_slots: int, window: int,
+                 graphs: bool = True):
         drafter_dir = Path(drafter_dir)
         cfg = read_dflash_config(drafter_dir, target)
         device, dtype = target.lm_head.weight.device, target.config.dtype
@@ -135,12 +136,13 @@ class DFlashProposer:
         self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
         self.ctx_len = [0] * num_slots
         self.window = window
+        self.graphs = DFlashGraphs(self, self.max_batch) if device.type == "cuda" and graphs else None
 
     @classmethod
-    def from_worker(cls, target, drafter, num_slots, dflash_window=2048, **_):
+    def from_worker(cls, target, drafter, num_slots, dflash_window=2048, cuda_graphs=True, **_):
         if not drafter:
             raise ProposerError("speculative method 'dflash' needs a drafter directory (--drafter)")
-        return cls(target, drafter, num_slots, dflash_window)
+        return cls(target, drafter, num_slots, dflash_window, cuda_graphs)
 
     @torch.inference_mode()
     def commit(self, rows: list[CommittedRows]) -> None:
@@ -175,33 +177,90 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        d, g = self.drafter, self.gamma
-        device = self.ctx_k.device
-        slots = torch.tensor([r.slot for r in requests], device=device)
-        block = torch.full((len(requests), g), self.mask_token, dtype=torch.long, device=device)
-        block[:, 0] = torch.tensor([r.pending for r in requests], device=device)
-        positions = torch.tensor([r.position for r in requests], device=device)[:, None] + \
-            torch.arange(g, device=device)[None, :]
-        x = self.target.model.embed_tokens(block)
-        cos_sin = tuple(t.unflatten(0, (len(requests), g)) for t in
-                        d.rotary.cos_sin(positions.flatten(), x.dtype))
         width = max(self.ctx_len[r.slot] for r in requests)
-        ctx_mask = torch.arange(width, device=device)[None, :] < torch.tensor(
-            [self.ctx_len[r.slot] for r in requests], device=device)[:, None]
+        slots, pending, positions, lens = torch.tensor(
+            [[r.slot, r.pending, r.position, self.ctx_len[r.slot]] for r in requests],
+            dtype=torch.long).T.contiguous().to(self.ctx_k.device)
+        if any(r.allowed for r in requests):   # grammars pick each draft under their mask
+            logits = self._block_logits(slots, pending, positions, lens, width)
+            return [self._constrained(req, logits[i]) for i, req in enumerate(requests)]
+        if self.graphs is not None and len(requests) <= self.graphs.buckets[-1]:
+            tokens, logp = self.graphs.run(slots, pending, positions, lens)
+        else:
+            tokens, logp = self._greedy(slots, pending, positions, lens, width)
+        tokens, logp = tokens.tolist(), logp.tolist()   # the one host sync of a proposal
+        return [Proposal(tokens[i][:r.num_drafts], logp[i][:r.num_drafts])
+                for i, r in enumerate(requests)]
+
+    def _block_logits(self, slots, pending, positions, lens, width: int) -> torch.Tensor:
+        """Logits [B, g-1, vocab] of the block after each pending token, over `width` context
+        rows of each slot (rows past its length are masked)."""
+        d, g, n = self.drafter, self.gamma, slots.shape[0]
+        block = torch.full((n, g), self.mask_token, dtype=torch.long, device=slots.device)
+        block[:, 0] = pending
+        x = self.target.model.embed_tokens(block)
+        cos_sin = tuple(t.unflatten(0, (n, g)) for t in d.rotary.cos_sin(
+            (positions[:, None] + torch.arange(g, device=slots.device)[None, :]).flatten(),
+            x.dtype))
+        ctx_mask = torch.arange(width, device=slots.device)[None, :] < lens[:, None]
         for li, layer in enumerate(d.layers):
             x = layer(x, cos_sin, self.ctx_k[li, slots, :width], self.ctx_v[li, slots, :width],
                       ctx_mask)
-        logits = self.target.lm_head(d.norm(x[:, 1:])).float()      # [B, g-1, vocab]
-        proposals = []
-        for i, req in enumerate(requests):
-            prop = Proposal([])
-            for j in range(min(req.num_drafts, g - 1)):
-                token, conf = masked_argmax(logits[i, j], req.allowed(prop.tokens)
-                                            if req.allowed else None)
-                prop.tokens.append(token)
-                prop.confidence.append(conf)
-            proposals.append(prop)
-        return proposals
+        return self.target.lm_head(d.norm(x[:, 1:])).float()
+
+    def _greedy(self, slots, pending, positions, lens, width: int):
+        """Each block position's best token and its log-probability, on the device."""
+        logp = torch.log_softmax(self._block_logits(slots, pending, positions, lens, width), -1)
+        best = logp.max(-1)
+        return best.indices, best.values
+
+    def _constrained(self, req: ProposeRequest, logits: torch.Tensor) -> Proposal:
+        prop = Proposal([])
+        for j in range(min(req.num_drafts, self.gamma - 1)):
+            token, conf = masked_argmax(logits[j], req.allowed(prop.tokens))
+            prop.tokens.append(token)
+            prop.confidence.append(conf)
+        return prop
+
+
+class DFlashGraphs:
+    """CUDA graphs of a DFlash proposal (the block forward and its argmax) per batch bucket, over
+    the whole context window, so one replay drafts for every sequence."""
+
+    def __init__(self, proposer: DFlashProposer, max_batch: int):
+        from metrale.workers.cuda_graphs import BUCKETS
+        self.proposer = proposer
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        device = proposer.ctx_k.device
+        self.inputs = torch.zeros(4, self.buckets[-1], dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+
+    def run(self, slots, pending, positions, lens):
+        n = slots.shape[0]
+        bucket = next(b for b in self.buckets if b >= n)
+        self.inputs[:, n:bucket] = 0          # padding rows draft from slot 0's context, unused
+        for row, values in zip(self.inputs, (slots, pending, positions, lens)):
+            row[:n].copy_(values)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(bucket)
+        graph, tokens, logp = self.graphs[bucket]
+        graph.replay()
+        return tokens[:n], logp[:n]
+
+    def _capture(self, bucket: int):
+        p = self.proposer
+        args = [row[:bucket] for row in self.inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            p._greedy(*args, p.window)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            tokens, logp = p._greedy(*args, p.window)
+        self.pool = graph.pool()
+        return graph, tokens, logp
 
 
 def _theta(cfg: dict) -> float:

@@ -12,7 +12,7 @@ from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, 
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models.config import ModelConfig
-from metrale.workers.models.decoder import CausalLM, DecoderLayer
+from metrale.workers.models.decoder import CausalLM, DecoderLayer, fuse_projections
 from metrale.workers.models.layers import RMSNorm, Rotary
 
 
@@ -49,7 +49,7 @@ class MTPProposer:
 
     def __init__(self, target: CausalLM, tensors: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, num_slots: int, confidence_threshold: float | None = None,
-                 max_batch: int = 64):
+                 max_batch: int = 64, backend: str = "torch"):
         cfg = target.config
         if cfg.mtp_num_hidden_layers < 1 or not tensors:
             raise ProposerError("speculative method 'mtp' needs the checkpoint's MTP layer: "
@@ -70,6 +70,9 @@ class MTPProposer:
                                     f"dimensions imply {tuple(head.state_dict()[name].shape)}")
         head.load_state_dict(state, assign=True)
         self.head, self.target = head.eval(), target
+        self.backend = backend
+        if backend == "triton":
+            fuse_projections(self.head.layers)
         self.kv = PagedKVCache(cfg.mtp_num_hidden_layers, num_blocks, block_size,
                                cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         # Stash: the MTP output at each slot's last committed row, which yields the first draft.
@@ -81,9 +84,9 @@ class MTPProposer:
 
     @classmethod
     def from_worker(cls, target, mtp_tensors, num_blocks, block_size, num_slots,
-                    mtp_confidence_threshold=None, propose_batch_max=64, **_):
+                    mtp_confidence_threshold=None, propose_batch_max=64, backend="torch", **_):
         return cls(target, mtp_tensors, num_blocks, block_size, num_slots,
-                   mtp_confidence_threshold, propose_batch_max)
+                   mtp_confidence_threshold, propose_batch_max, backend)
 
     def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         model = self.target.model
@@ -95,7 +98,7 @@ class MTPProposer:
         if not rows:
             return
         batch = ForwardBatch.build([(r.next_tokens, r.start, r.block_table, -1) for r in rows],
-                                   self.block_size, self.stash.device)
+                                   self.block_size, self.stash.device, self.backend)
         hidden = torch.cat([r.hidden for r in rows])
         out = self._run(batch, hidden)
         for r, s in zip(rows, batch.seqs):
@@ -112,11 +115,18 @@ class MTPProposer:
         active = list(range(len(requests)))
         for step in range(max(r.num_drafts for r in requests)):
             logits = self.target.lm_head(self.head.norm(hidden)).float()
+            best = None
+            if not any(requests[i].allowed for i in active):   # one host sync for the step
+                top = torch.log_softmax(logits, -1).max(-1)
+                best = list(zip(top.indices.tolist(), top.values.tolist()))
             still, next_rows = [], []
             for row, i in enumerate(active):
                 req, prop = requests[i], proposals[i]
-                mask = req.allowed(prop.tokens) if req.allowed else None
-                token, conf = masked_argmax(logits[row], mask)
+                if best is not None:
+                    token, conf = best[row]
+                else:
+                    token, conf = masked_argmax(logits[row], req.allowed(prop.tokens)
+                                                if req.allowed else None)
                 if self.threshold is not None and prop.tokens and conf < self.threshold:
                     continue   # a low-confidence draft ends this chain
                 prop.tokens.append(token)
@@ -129,7 +139,7 @@ class MTPProposer:
             # Chain: the next row reads (this draft, this row's MTP hidden) one position later.
             chunks = [(proposals[i].tokens[-1:], self.stash_pos[requests[i].slot] + step + 1,
                        requests[i].block_table, -1) for i in still]
-            batch = ForwardBatch.build(chunks, self.block_size, hidden.device)
+            batch = ForwardBatch.build(chunks, self.block_size, hidden.device, self.backend)
             hidden = self._run(batch, hidden[next_rows])
             active = still
         return proposals

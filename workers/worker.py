@@ -21,6 +21,7 @@ from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
 from metrale.workers.models.loader import load_tokenizer
+from metrale.workers.models.decoder import fuse_projections
 from metrale.workers.models.parallel import SINGLE
 from metrale.workers.parallel import TensorParallel
 from metrale.workers.sampler import generator_for, logprobs_of, target_probs
@@ -88,7 +89,7 @@ class Worker:
         self.model, mtp_tensors = load_model(Path(config.model), self.device, config.dtype, tp)
         cfg = self.model.config
         if self.backend == "triton" and tp.size == 1:
-            self.model.fuse_projections()
+            fuse_projections(self.model.model.layers)
         # CUDA graphs pad batches with sequences that own one spare KV block and SSM slot
         self.use_graphs = (config.cuda_graphs and self.device.type == "cuda"
                            and self.backend == "triton" and tp.size == 1)
@@ -103,7 +104,8 @@ class Worker:
             mtp_confidence_threshold=config.mtp_confidence_threshold,
             self_spec_layers=config.self_spec_layers, dflash_window=config.dflash_window,
             ngram_min=config.ngram_min, ngram_max=config.ngram_max,
-            propose_batch_max=config.propose_batch_max)
+            propose_batch_max=config.propose_batch_max, cuda_graphs=self.use_graphs,
+            backend=self.backend)
         capacity = tuple(self.ssm.capacity[:slots] if self.ssm else [config.max_drafts] * slots)
         p = self.proposer
         self.capacity = WorkerCapacity(

@@ -111,6 +111,28 @@ class DecoderModel(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
 
+def fuse_projections(layers) -> None:
+    """Concatenates q/k/v, gate/up and DeltaNet input weights into one tensor each, the separate
+    parameters becoming views of it, so the Triton path runs one GEMM where the torch path runs
+    two to four. For a single rank without biases (the fused path is not used otherwise)."""
+    def fuse(owner, name, parts):
+        whole = torch.cat([p.weight.data for p in parts])
+        start = 0
+        for p in parts:
+            n = p.weight.shape[0]
+            p.weight.data = whole[start:start + n]
+            start += n
+        setattr(owner, name, whole)
+    for layer in layers:
+        fuse(layer.mlp, "gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
+        d = getattr(layer, "linear_attn", None)
+        if d is not None:
+            fuse(d, "in_proj", [d.in_proj_qkv, d.in_proj_z, d.in_proj_b, d.in_proj_a])
+        a = getattr(layer, "self_attn", None)
+        if a is not None and a.q_proj.bias is None:
+            fuse(a, "qkv", [a.q_proj, a.k_proj, a.v_proj])
+
+
 class CausalLM(nn.Module):
     """Embeddings, decoder layers and lm_head; parameter names follow the Hugging Face checkpoints.
     With `tp` of several ranks, this rank's shard: hidden states and logits are whole on every rank."""
@@ -140,27 +162,6 @@ class CausalLM(nn.Module):
             if i in capture:
                 captured[i] = x
         return x, [captured[i] for i in capture]
-
-    def fuse_projections(self) -> None:
-        """Concatenates q/k/v and gate/up weights into one tensor each, the separate parameters
-        becoming views of it, so the Triton path runs one GEMM where the torch path runs two or
-        three. For a single rank without biases (the fused path is not used otherwise)."""
-        def fuse(owner, name, parts):
-            whole = torch.cat([p.weight.data for p in parts])
-            start = 0
-            for p in parts:
-                n = p.weight.shape[0]
-                p.weight.data = whole[start:start + n]
-                start += n
-            setattr(owner, name, whole)
-        for layer in self.model.layers:
-            fuse(layer.mlp, "gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
-            d = getattr(layer, "linear_attn", None)
-            if d is not None:
-                fuse(d, "in_proj", [d.in_proj_qkv, d.in_proj_z, d.in_proj_b, d.in_proj_a])
-            a = getattr(layer, "self_attn", None)
-            if a is not None and a.q_proj.bias is None:
-                fuse(a, "qkv", [a.q_proj, a.k_proj, a.v_proj])
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
