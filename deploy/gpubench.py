@@ -300,6 +300,9 @@ def release(llm: LLM) -> None:
 
 
 def git_commit() -> str | None:
+    """HEAD of this checkout, or METRALE_COMMIT where the tree was copied without .git."""
+    if os.environ.get("METRALE_COMMIT"):
+        return os.environ["METRALE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
                               capture_output=True, text=True, timeout=10).stdout.strip() or None
@@ -477,7 +480,7 @@ def run(args) -> int:
         options["cuda_graphs"] = False
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.device.type == "cuda":
+    if args.device.type == "cuda" and args.device.index is not None:
         torch.cuda.set_device(args.device)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
