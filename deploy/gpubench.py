@@ -190,7 +190,7 @@ def forward_costs(model_dir: str, args, options: dict) -> dict:
                                              args.prompt_len + MAX_VERIFY + 1),
               speculative_method="ngram",   # a verify pool without drafter weights
               verify_pool_bytes=verify_pool_bytes(model_dir, args.dtype, 1),
-              **{"max_drafts": MAX_VERIFY, **options})
+              **{"max_drafts": MAX_VERIFY, "capture_at_start": False, **options})
     w = llm.worker
     decode = {b: w.time_forward(b, 1, args.prompt_len, args.iters) for b in args.batch_sizes}
     verify = {k: w.time_forward(1, k + 1, args.prompt_len, args.iters) for k in args.verify_ks}

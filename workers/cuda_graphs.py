@@ -35,6 +35,20 @@ class GraphRunner:
         self.slots = zeros(n_seq)
         self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.pool = None
+        # one set of outputs that every graph writes (each graph keeps only its view)
+        cfg = model.config
+        self.out_hidden = torch.empty(n_rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
+        self.out_captured = [torch.empty_like(self.out_hidden) for _ in capture_layers]
+        self.out_logits = torch.empty(n_rows, cfg.vocab_size, dtype=torch.float32, device=device)
+
+    def capture_all(self, lengths: list[int], verify: bool) -> None:
+        """Captures every bucket for each row count (k + 1 for a verify of k drafts, with the
+        hybrid's verify pool when `verify`), largest first, so no step waits for a capture."""
+        for length in lengths:
+            for bucket in reversed(self.buckets):
+                key = (bucket, length, verify and length > 1)
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(*key)
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -95,7 +109,10 @@ class GraphRunner:
 
         def step():
             hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)
-            return hidden, captured, self.model.logits(hidden)
+            self.out_hidden[:rows].copy_(hidden)
+            for out, c in zip(self.out_captured, captured):
+                out[:rows].copy_(c)
+            self.out_logits[:rows].copy_(self.model.logits(hidden))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):   # compiles the kernels and settles the allocator
@@ -103,6 +120,7 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden, captured, logits = step()
+            step()
         self.pool = graph.pool()
-        return graph, hidden, captured, logits
+        return (graph, self.out_hidden[:rows], [c[:rows] for c in self.out_captured],
+                self.out_logits[:rows])

@@ -51,6 +51,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1        # ranks (worker processes) one worker's model spans
     attention_backend: str = "auto"      # auto | torch | triton (auto: triton on CUDA)
     cuda_graphs: bool = True             # replay captured decode/verify steps on CUDA
+    capture_at_start: bool = True        # capture every decode/verify graph when starting
 
     @property
     def torch_device(self) -> torch.device:
@@ -126,6 +127,12 @@ class Worker:
             -(-cfg.max_position_embeddings // config.block_size),
             p.capture_layers if p else (), pad_block=self.kv.num_blocks - 1,
             pad_slot=slots) if self.use_graphs else None
+        if self.graphs is not None and config.capture_at_start:
+            start = time.perf_counter()
+            lengths = [1] + ([k + 1 for k in range(1, config.max_drafts + 1)] if p else [])
+            self.graphs.capture_all(lengths, verify=cfg.is_hybrid)
+            log.info("captured %d CUDA graphs in %.1fs", len(self.graphs.graphs),
+                     time.perf_counter() - start)
         log.info("worker on %s: %s", self.device, self.memory_report())
 
     def _make_kv_cache(self) -> PagedKVCache:
@@ -291,14 +298,25 @@ class Worker:
                   hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[int, SeqOutcome]:
         """The outcome of every sampling sequence, by id. Each sequence's logits come from its own
         lm_head call, so they do not depend on which other sequences share the step."""
-        verdicts = {}
+        verdicts, greedy = {}, []
         for w, rows in zip(work, batch.seqs):
             if w.sample:
                 d = drafts.get(w.seq_id, [])
                 end = rows.start + rows.length
                 rows_logits = (logits[end - 1 - len(d):end] if logits is not None
                                else self.model.logits(hidden[end - 1 - len(d):end]))
-                verdicts[w.seq_id] = self._accept(w, d, rows_logits)
+                if w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None:
+                    greedy.append((w, d, rows_logits))
+                else:
+                    verdicts[w.seq_id] = self._accept(w, d, rows_logits)
+        if greedy:   # plain greedy sequences: every argmax at once, one host sync
+            best = torch.cat([g[2] for g in greedy]).argmax(-1).tolist()
+            first = 0
+            for w, d, _ in greedy:
+                b = best[first:first + len(d) + 1]
+                first += len(d) + 1
+                j = next((i for i in range(len(d)) if d[i] != b[i]), len(d))
+                verdicts[w.seq_id] = SeqOutcome(w.seq_id, d[:j] + [b[j]], len(d), j)
         return verdicts
 
     def _accept(self, w: SeqWork, drafts: list[int], logits: torch.Tensor) -> SeqOutcome:
