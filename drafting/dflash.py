@@ -11,7 +11,8 @@ from torch import nn
 from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
                                        masked_argmax)
 from metrale.workers.models.config import read_json
-from metrale.workers.models.decoder import CausalLM
+from metrale.workers.models import kernels
+from metrale.workers.models.decoder import CausalLM, fuse
 from metrale.workers.models.layers import MLP, RMSNorm, Rotary
 from metrale.workers.models.loader import read_tensors
 
@@ -36,6 +37,9 @@ class DFlashLayer(nn.Module):
     def keys_values(self, x: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden] -> K (normed, rotated) and V: [..., kv_heads, head_dim]."""
         a = self.self_attn
+        if x.dim() == 2 and hasattr(a, "kv"):   # on the GPU: one GEMM, one norm+rotary kernel
+            kv = F.linear(x, a.kv).unflatten(-1, (2 * self.kv_heads, self.head_dim))
+            return a.k_norm.fused_rope(kv[:, :self.kv_heads], *cos_sin), kv[:, self.kv_heads:]
         k = a.k_norm(a.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
         return Rotary.apply(k, *cos_sin), a.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
 
@@ -128,6 +132,9 @@ class DFlashProposer:
         drafter.load_state_dict(state, assign=True)
         drafter.rotary = Rotary(drafter.rotary.rotary_dim, _theta(cfg)).to(device)  # off meta
         self.drafter, self.target = drafter.eval(), target
+        if kernels.runs_on(device):
+            for layer in drafter.layers:
+                fuse(layer.self_attn, "kv", [layer.self_attn.k_proj, layer.self_attn.v_proj])
         layer = drafter.layers[0]
         # Context: per slot and draft layer, the K/V of the committed positions' features,
         # a window of the most recent `window` rows with their absolute positions.
@@ -153,27 +160,28 @@ class DFlashProposer:
         positions = torch.cat([torch.arange(r.start, r.start + len(r.tokens)) for r in rows])
         cos_sin = d.rotary.cos_sin(positions.to(feats.device), feats.dtype)
         kv = [layer.keys_values(feats, cos_sin) for layer in d.layers]
+        keys, values = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
         first = 0
         for r in rows:
             n = len(r.tokens)
             if r.fresh:
                 self.ctx_len[r.slot] = 0
-            for li, (k, v) in enumerate(kv):
-                self._append(li, r.slot, k[first:first + n], v[first:first + n])
+            self._append(r.slot, keys[:, first:first + n], values[:, first:first + n])
             self.ctx_len[r.slot] = min(self.ctx_len[r.slot] + n, self.window)
             first += n
 
-    def _append(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Appends rows to the slot's window, sliding out the oldest rows when it is full."""
-        have, n, w = self.ctx_len[slot], k.shape[0], self.window
+    def _append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends rows ([layers, n, ...]) to the slot's window, sliding out the oldest rows
+        when it is full."""
+        have, n, w = self.ctx_len[slot], k.shape[1], self.window
         if n >= w:
-            self.ctx_k[layer, slot], self.ctx_v[layer, slot] = k[-w:], v[-w:]
+            self.ctx_k[:, slot], self.ctx_v[:, slot] = k[:, -w:], v[:, -w:]
             return
         keep = min(have, w - n)
         if keep < have:   # slide: the rows to keep move to the front
-            self.ctx_k[layer, slot, :keep] = self.ctx_k[layer, slot, have - keep:have].clone()
-            self.ctx_v[layer, slot, :keep] = self.ctx_v[layer, slot, have - keep:have].clone()
-        self.ctx_k[layer, slot, keep:keep + n], self.ctx_v[layer, slot, keep:keep + n] = k, v
+            self.ctx_k[:, slot, :keep] = self.ctx_k[:, slot, have - keep:have].clone()
+            self.ctx_v[:, slot, :keep] = self.ctx_v[:, slot, have - keep:have].clone()
+        self.ctx_k[:, slot, keep:keep + n], self.ctx_v[:, slot, keep:keep + n] = k, v
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:

@@ -33,8 +33,12 @@ class MTPHead(nn.Module):
                 hidden: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache | None) -> torch.Tensor:
         """Row p reads (token p+1, target hidden at p); returns hidden rows before the MTP norm.
         `embed` and `rotary` are the target's; without `kv` (training) rows attend within batch."""
-        e = self.pre_fc_norm_embedding(embed(tokens))
-        x = self.fc(torch.cat((e, self.pre_fc_norm_hidden(hidden)), dim=-1))
+        if batch.backend == "triton":   # one kernel per norm
+            e = self.pre_fc_norm_embedding.fused(embed(tokens))
+            h = self.pre_fc_norm_hidden.fused(hidden)
+        else:
+            e, h = self.pre_fc_norm_embedding(embed(tokens)), self.pre_fc_norm_hidden(hidden)
+        x = self.fc(torch.cat((e, h), dim=-1))
         cos_sin = rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos_sin, batch, kv, None)
@@ -114,7 +118,8 @@ class MTPProposer:
         hidden = self.stash[[r.slot for r in requests]]
         active = list(range(len(requests)))
         for step in range(max(r.num_drafts for r in requests)):
-            logits = self.target.lm_head(self.head.norm(hidden)).float()
+            norm = self.head.norm.fused if self.backend == "triton" else self.head.norm
+            logits = self.target.lm_head(norm(hidden)).float()
             best = None
             if not any(requests[i].allowed for i in active):   # one host sync for the step
                 top = torch.log_softmax(logits, -1).max(-1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -65,8 +64,7 @@ class WorkerConfig:
 def attention_backend(requested: str, device: torch.device) -> str:
     """The kernels a worker runs: Triton on CUDA when it imports (or under Triton's CPU
     interpreter, for tests), else plain torch."""
-    triton_runs = kernels.available() and (device.type == "cuda"
-                                            or os.environ.get("TRITON_INTERPRET") == "1")
+    triton_runs = kernels.runs_on(device)
     if requested == "auto":
         return "triton" if triton_runs and device.type == "cuda" else "torch"
     if requested == "triton" and not triton_runs:

@@ -111,18 +111,21 @@ class DecoderModel(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
 
 
+def fuse(owner: nn.Module, name: str, parts: list[nn.Linear]) -> None:
+    """`owner.<name>`: the parts' weights in one tensor, each part's weight now a view of it."""
+    whole = torch.cat([p.weight.data for p in parts])
+    start = 0
+    for p in parts:
+        n = p.weight.shape[0]
+        p.weight.data = whole[start:start + n]
+        start += n
+    setattr(owner, name, whole)
+
+
 def fuse_projections(layers) -> None:
     """Concatenates q/k/v, gate/up and DeltaNet input weights into one tensor each, the separate
     parameters becoming views of it, so the Triton path runs one GEMM where the torch path runs
     two to four. For a single rank without biases (the fused path is not used otherwise)."""
-    def fuse(owner, name, parts):
-        whole = torch.cat([p.weight.data for p in parts])
-        start = 0
-        for p in parts:
-            n = p.weight.shape[0]
-            p.weight.data = whole[start:start + n]
-            start += n
-        setattr(owner, name, whole)
     for layer in layers:
         fuse(layer.mlp, "gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
         d = getattr(layer, "linear_attn", None)

@@ -8,6 +8,8 @@ and gated_deltanet.py is the reference they are tested against.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -19,6 +21,13 @@ except ImportError:   # CPU-only installs: the torch paths run instead
 
 def available() -> bool:
     return triton is not None
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run for tensors on `device`: CUDA, or CPU under Triton's interpreter
+    (TRITON_INTERPRET=1, for tests)."""
+    return triton is not None and (device.type == "cuda"
+                                   or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _pow2(n: int) -> int:
@@ -239,6 +248,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
     """RMSNorm of x's rows ([T, n], contiguous); with `residual`, of x + residual, returning
     (normed, x + residual)."""
     n = x.shape[-1]
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else None
     _rms_norm_kernel[(x.numel() // n,)](
