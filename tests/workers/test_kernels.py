@@ -20,6 +20,24 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU (set TRITON_INTERPRET=1 to run the kernels on CPU)", allow_module_level=True)
 
 
+def _interpreter_reads_loop_bounds():
+    """Triton 3.6's interpreter turns a scalar loaded from memory (a one-element array) into a loop
+    bound with int(array), which NumPy 2 refuses; this takes the element instead."""
+    import numpy as np
+    from triton.runtime import interpreter
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    interpreter._patch_lang_tensor = patched
+
+
+if DEVICE == "cpu":
+    _interpreter_reads_loop_bounds()
+
+
 def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
