@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--workers-per-replica", type=int, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=None)
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="GPU kernels: auto (Triton on CUDA) or torch")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode/verify steps as CUDA graphs (default on a GPU)")
     p.add_argument("--name", default="batch", help="label of the job's actors (default: batch)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             num_drafts=args.num_drafts, adaptive_drafts=args.adaptive_drafts,
             drafter=args.drafter, replicas=args.replicas,
             workers_per_replica=args.workers_per_replica,
-            tensor_parallel_size=args.tensor_parallel_size, name=args.name)
+            tensor_parallel_size=args.tensor_parallel_size, name=args.name,
+            attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs)
         load_tokenizer(config.model_path)
         lines = Path(args.input).read_text().splitlines()
     except (ConfigError, CheckpointError, OSError) as e:

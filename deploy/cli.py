@@ -42,6 +42,10 @@ def _generate_parser(sub) -> None:
                    help="DFlash drafter directory (default with the bundled model: its drafter)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N worker actors (GPUs) on a local or running Ray")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="GPU kernels: auto (Triton on CUDA) or torch")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode/verify steps as CUDA graphs (default on a GPU)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt, per line")
 
 
@@ -61,7 +65,8 @@ def cmd_generate(args) -> int:
                   kv_cache_bytes=args.kv_cache_mb << 20,
                   speculative_method=args.speculative_method, num_drafts=args.num_drafts,
                   adaptive_drafts=args.adaptive_drafts, drafter=drafter,
-                  tensor_parallel_size=args.tensor_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs)
     except (CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"metrale generate: {e}", file=sys.stderr)
         return 2
@@ -174,6 +179,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=None, help="model replicas (data parallel)")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="GPUs (worker actors) each replica's model is split over")
+    p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
+                   help="GPU kernels: auto (Triton on CUDA) or torch")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode/verify steps as CUDA graphs (default on a GPU)")
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
 
@@ -186,7 +195,8 @@ def cmd_serve(args) -> int:
             args.config, model=args.model, speculative_method=args.speculative_method,
             num_drafts=args.num_drafts, adaptive_drafts=args.adaptive_drafts,
             drafter=args.drafter, replicas=args.replicas,
-            tensor_parallel_size=args.tensor_parallel_size, host=args.host, port=args.port)
+            tensor_parallel_size=args.tensor_parallel_size, host=args.host, port=args.port,
+            attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs)
         return run_server(config)
     except (ConfigError, CheckpointError) as e:
         print(f"metrale serve: {e}", file=sys.stderr)

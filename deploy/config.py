@@ -62,6 +62,11 @@ class MetraleConfig(BaseModel):
                                                    "the worker's GPU when it has one.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; auto takes the checkpoint's.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="Kernels on the GPU: auto takes Triton's paged attention, DeltaNet "
+        "recurrence and fused norms on CUDA; torch: plain PyTorch (the CPU path).")
+    cuda_graphs: bool = Field(True, description="Replay decode and verify steps as CUDA graphs "
+                              "captured at start-up (GPU with the Triton kernels only).")
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
     kv_cache_bytes: int = Field(256 << 20, ge=1, description="KV-cache budget per worker, bytes.")
     max_num_seqs: int = Field(64, ge=1, description="Running sequences (and SSM slots) per worker.")
@@ -169,7 +174,8 @@ class MetraleConfig(BaseModel):
             mtp_confidence_threshold=self.mtp_confidence_threshold,
             self_spec_layers=self.self_spec_layers, dflash_window=self.dflash_window,
             ngram_min=self.ngram_min, ngram_max=self.ngram_max,
-            tensor_parallel_size=self.tensor_parallel_size, **extra)
+            tensor_parallel_size=self.tensor_parallel_size,
+            attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs, **extra)
 
     def scheduler_config(self) -> SchedulerConfig:
         """Drafts per round are filled in from the workers' proposer (ReplicaEngine.build)."""

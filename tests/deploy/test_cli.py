@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.llm import LLM
@@ -40,6 +41,13 @@ def test_plain_output_and_errors(checkpoint, tmp_path):
     assert r.returncode == 0 and "[4 tokens in" in r.stderr
     r = metrale("generate", "--model", str(model_dir), "--prompt", "x", "--top-p", "2")
     assert r.returncode == 2 and "top_p" in r.stderr
+    r = metrale("generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2",
+                "--attention-backend", "torch", "--no-cuda-graphs")
+    assert r.returncode == 0 and "[2 tokens in" in r.stderr
+    if not torch.cuda.is_available():
+        r = metrale("generate", "--model", str(model_dir), "--prompt", "x",
+                    "--attention-backend", "triton")
+        assert r.returncode == 2 and "needs Triton and a CUDA device" in r.stderr
     r = metrale("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert r.returncode == 2 and "no such model directory" in r.stderr
     r = metrale("generate", "--model", str(model_dir), "--prompt", "x " * 600, "--json")

@@ -45,6 +45,17 @@ def test_yaml_then_flags(tmp_path, checkpoint):
     assert not flags.with_overrides(adaptive_drafts=False).scheduler_config().adaptive_drafts
 
 
+def test_gpu_kernel_settings_reach_the_worker(tmp_path, checkpoint):
+    path = tmp_path / "gpu.yaml"
+    path.write_text(f"model: {checkpoint('qwen3')}\nattention_backend: torch\ncuda_graphs: false\n")
+    worker = MetraleConfig.from_yaml(path).worker_config()
+    assert (worker.attention_backend, worker.cuda_graphs) == ("torch", False)
+    worker = MetraleConfig.load(path, attention_backend="auto", cuda_graphs=True).worker_config()
+    assert (worker.attention_backend, worker.cuda_graphs) == ("auto", True)
+    with pytest.raises(ConfigError, match="attention_backend"):
+        MetraleConfig.validated({"attention_backend": "flash"})
+
+
 def test_cluster_resources_decide_the_worker_device(checkpoint):
     config = MetraleConfig(model=str(checkpoint("qwen3")), workers_per_replica=2)
     on_cpu = config.replica_spec(cluster_gpus=0)
