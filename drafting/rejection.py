@@ -23,12 +23,8 @@ def verify_drafts(drafts: list[int], target: torch.Tensor, draft_probs: torch.Te
     draft_probs: [k, V], the drafter's q_i, or None for a deterministic drafter (q one-hot at d_i).
     uniforms: [k] in [0, 1), one per draft; generators: k+1 streams for the final draw at each index.
     """
-    k = len(drafts)
     if greedy:
-        # Greedy: accept the longest prefix where d_i is the target's argmax.
-        best = target.argmax(-1).tolist()
-        j = next((i for i in range(k) if drafts[i] != best[i]), k)
-        return Verdict(j, drafts[:j] + [best[j]])
+        return greedy_verdict(drafts, target.argmax(-1).tolist())
     for i, d in enumerate(drafts):
         p_d = target[i, d]
         q_d = draft_probs[i, d] if draft_probs is not None else torch.ones_like(p_d)
@@ -43,8 +39,16 @@ def verify_drafts(drafts: list[int], target: torch.Tensor, draft_probs: torch.Te
         token = torch.multinomial(residual / residual.sum(), 1, generator=generators[i]).item()
         return Verdict(i, drafts[:i] + [token])
     # All k accepted: the bonus token comes from p_{k+1}.
+    k = len(drafts)
     bonus = torch.multinomial(target[k], 1, generator=generators[k]).item()
     return Verdict(k, drafts + [bonus])
+
+
+def greedy_verdict(drafts: list[int], best: list[int]) -> Verdict:
+    """Greedy: the longest prefix of drafts where d_i is the target's argmax best[i-1], then the
+    argmax after it (best has k + 1 entries)."""
+    j = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))
+    return Verdict(j, drafts[:j] + [best[j]])
 
 
 def _one_hot(token: int, size: int, like: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,14 @@ import torch
 from metrale.cluster.plan import SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs, WorkerCapacity
 from metrale.drafting.grammar import grammar_compiler
 from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
-from metrale.drafting.rejection import verify_drafts
+from metrale.drafting.rejection import greedy_verdict, verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
-from metrale.workers.models.loader import load_tokenizer
 from metrale.workers.models.decoder import fuse_projections
+from metrale.workers.models.loader import load_tokenizer
 from metrale.workers.models.parallel import SINGLE
 from metrale.workers.parallel import TensorParallel
 from metrale.workers.sampler import generator_for, logprobs_of, target_probs
@@ -294,8 +294,9 @@ class Worker:
 
     def _verdicts(self, work: list[SeqWork], batch: ForwardBatch, drafts: dict[int, list[int]],
                   hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[int, SeqOutcome]:
-        """The outcome of every sampling sequence, by id. Each sequence's logits come from its own
-        lm_head call, so they do not depend on which other sequences share the step."""
+        """The outcome of every sampling sequence, by id. Without a CUDA graph each sequence's
+        logits come from its own lm_head call, so they do not depend on which other sequences
+        share the step (a graph computes every row's logits in one GEMM)."""
         verdicts, greedy = {}, []
         for w, rows in zip(work, batch.seqs):
             if w.sample:
@@ -313,8 +314,8 @@ class Worker:
             for w, d, _ in greedy:
                 b = best[first:first + len(d) + 1]
                 first += len(d) + 1
-                j = next((i for i in range(len(d)) if d[i] != b[i]), len(d))
-                verdicts[w.seq_id] = SeqOutcome(w.seq_id, d[:j] + [b[j]], len(d), j)
+                verdict = greedy_verdict(d, b)
+                verdicts[w.seq_id] = SeqOutcome(w.seq_id, verdict.tokens, len(d), verdict.accepted)
         return verdicts
 
     def _accept(self, w: SeqWork, drafts: list[int], logits: torch.Tensor) -> SeqOutcome:
