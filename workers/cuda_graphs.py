@@ -1,5 +1,5 @@
 """CUDA graphs of the target's decode and verify steps: B sequences of L rows each, B rounded up
-to a bucket, captured on first use and replayed over static input buffers.
+to a bucket, captured at start-up (or on first use) and replayed over static input buffers.
 
 A captured step runs embedding, every layer and the logits of every row; the host only fills
 the buffers. Rows of the padding sequences write their K/V into a block and their SSM state into

@@ -41,9 +41,7 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         rows = x.shape[0]
         if batch.backend == "triton" and hasattr(self, "qkv"):
-            q, k, v = self._fused_qkv(x, cos_sin)
-            gate = q[1] if self.gated else None
-            q = q[0]
+            q, gate, k, v = self._fused_qkv(x, cos_sin)
         else:
             q = self.q_proj(x).view(rows, self.heads, -1)
             if self.gated:  # per head: [query | gate]
@@ -59,7 +57,7 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _fused_qkv(self, x, cos_sin):
-        """q, k, v from one GEMM; norm and rotary in one kernel each. q is (query, gate)."""
+        """q, gate (None unless gated), k, v from one GEMM; norm and rotary in one kernel each."""
         rows, d = x.shape[0], self.head_dim
         qkv = F.linear(x, self.qkv)
         q_width = self.heads * d * (2 if self.gated else 1)
@@ -68,7 +66,7 @@ class Attention(nn.Module):
         v = qkv[:, q_width + self.kv_heads * d:].view(rows, self.kv_heads, d)
         gate = q[..., d:] if self.gated else None
         cos, sin = cos_sin
-        return ((self.q_norm.fused_rope(q[..., :d], cos, sin), gate),
+        return (self.q_norm.fused_rope(q[..., :d], cos, sin), gate,
                 self.k_norm.fused_rope(k, cos, sin), v)
 
 
