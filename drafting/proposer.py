@@ -45,26 +45,6 @@ class CommittedRows:
     fresh: bool                 # the sequence's first rows: forget what the slot held before
 
 
-def merge_committed(rows: list[CommittedRows]) -> list[CommittedRows]:
-    """Consecutive rows of one sequence, from several steps, as one chunk each; a sequence's
-    chunks keep their order (a fresh one starts a new chunk)."""
-    groups: list[list[CommittedRows]] = []
-    open_group: dict[int, int] = {}            # slot -> its group still being extended
-    for r in rows:
-        i = open_group.get(r.slot)
-        last = groups[i][-1] if i is not None else None
-        if last is not None and not r.fresh and last.start + len(last.tokens) == r.start:
-            groups[i].append(r)
-        else:
-            open_group[r.slot] = len(groups)
-            groups.append([r])
-    return [g[0] if len(g) == 1 else CommittedRows(
-        g[0].slot, g[0].start, [t for r in g for t in r.tokens],
-        [t for r in g for t in r.next_tokens], torch.cat([r.hidden for r in g]),
-        [torch.cat(layer) for layer in zip(*(r.captured for r in g))], g[-1].block_table,
-        g[0].fresh) for g in groups]
-
-
 class Proposer(Protocol):
     method: str
     capture_layers: tuple[int, ...]   # target layers whose outputs `commit` needs

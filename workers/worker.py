@@ -12,8 +12,7 @@ import torch
 
 from metrale.cluster.plan import SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs, WorkerCapacity
 from metrale.drafting.grammar import grammar_compiler
-from metrale.drafting.proposer import (CommittedRows, ProposeRequest, build_proposer,
-                                       merge_committed)
+from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
 from metrale.drafting.rejection import greedy_verdict, verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import ForwardBatch
@@ -28,7 +27,6 @@ from metrale.workers.sampler import generator_for, logprobs_of, target_probs
 from metrale.workers.ssm_pool import SSMSlotPool, verify_capacities
 
 log = logging.getLogger(__name__)
-CATCH_UP_EVERY = 16   # steps without drafts after which the drafter catches up anyway
 
 
 @dataclass(frozen=True)
@@ -122,8 +120,6 @@ class Worker:
         self._grammar_compiler = None
         self.prompt_len = [0] * slots
         self.stats = SpecStats()
-        self._catch_up: list[CommittedRows] = []   # rows the drafter has not seen yet
-        self._catch_up_steps = 0
         self.graphs = GraphRunner(
             self.model, self.kv, self.ssm, slots, config.max_drafts + 1 if p else 1,
             -(-cfg.max_position_embeddings // config.block_size),
@@ -217,10 +213,7 @@ class Worker:
                 committed.append(self._committed_rows(w, rows, d[:accepted], outcome, hidden,
                                                       captured))
         if self.proposer:
-            self._catch_up.extend(committed)
-            self._catch_up_steps += 1
-            if self._catch_up_steps >= CATCH_UP_EVERY:
-                self.commit_drafter()
+            self.proposer.commit(committed)
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
 
     @torch.inference_mode()
@@ -280,7 +273,6 @@ class Worker:
         spec = [w for w in work if w.num_drafts > 0 and self.proposer is not None]
         if not spec:
             return {}
-        self.commit_drafter()
         requests = []
         for w in spec:
             allowed, constraint = None, self._constraint(w)
@@ -291,14 +283,6 @@ class Worker:
                                            w.block_table, self.history[w.slot], allowed))
         proposals = self.proposer.propose(requests)
         return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}
-
-    def commit_drafter(self) -> None:
-        """The drafter's catch-up over every row committed since it last ran, each sequence's
-        rows as one chunk. It runs before a proposal needs it (or every CATCH_UP_EVERY steps), so a
-        round without drafts costs what plain decoding costs."""
-        if self._catch_up:
-            self.proposer.commit(merge_committed(self._catch_up))
-        self._catch_up, self._catch_up_steps = [], 0
 
     def _forward(self, batch: ForwardBatch):
         """Hidden rows, captured layers, and the logits of every row when a CUDA graph ran the

@@ -17,7 +17,6 @@ GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 def proposal_for(llm: LLM, seq, k: int):
     req = ProposeRequest(seq.slot, seq.num_computed, seq.tokens[-1], k, seq.block_table,
                          seq.tokens)
-    llm.worker.commit_drafter()   # the catch-up the worker runs before any proposal
     return llm.worker.proposer.propose([req])[0]
 
 
@@ -73,7 +72,6 @@ def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
     seq = llm.scheduler.by_request[rid][0]
     while len(seq.output_ids) < 12:
         llm.step()
-    llm.worker.commit_drafter()
     assert llm.worker.proposer.ctx_len[seq.slot] == 8
     # A fresh prefill of the same tokens keeps the same last 8 rows: the same proposal.
     fresh = LLM(model_dir, **kw)
@@ -83,39 +81,3 @@ def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
         fresh.step()
     a, b = proposal_for(llm, seq, 3), proposal_for(fresh, seq2, 3)
     assert a.tokens == b.tokens and a.confidence == pytest.approx(b.confidence, abs=1e-4)
-
-
-@pytest.mark.parametrize("method", ["mtp", "dflash"])
-def test_catch_up_after_rounds_without_drafts_equals_fresh_prefill(checkpoint, dflash_drafter,
-                                                                   method):
-    """Rounds without drafts leave the drafter's catch-up for later (every CATCH_UP_EVERY steps,
-    or before the next proposal) and run it over the gathered rows at once: the drafter then
-    proposes what it proposes after a fresh prefill."""
-    model_dir = checkpoint("qwen3_5")
-    kw = dict(device="cpu", block_size=4, speculative_method=method, num_drafts=3,
-              adaptive_drafts=False,
-              drafter=dflash_drafter("qwen3_5") if method == "dflash" else None)
-    llm = LLM(model_dir, **kw)
-    rid = llm.add_request(llm.encode(PROMPTS[3]), SamplingParams(max_tokens=60, temperature=0,
-                                                                 ignore_eos=True))
-    seq = llm.scheduler.by_request[rid][0]
-    plan_drafts = llm.scheduler._drafts_for
-    llm.scheduler._drafts_for = lambda s, k, room: 0   # plain decoding for a while
-    while len(seq.output_ids) < 21:
-        llm.step()
-    assert 0 < len(llm.worker._catch_up) < 16          # gathered since the last periodic catch-up
-    llm.scheduler._drafts_for = plan_drafts
-    # one MTP draft comes from the stash (its attention reads every caught-up row) and needs no
-    # block beyond the sequence's own; DFlash drafts its whole block from the context
-    k = 1 if method == "mtp" else 3
-    after_plain = proposal_for(llm, seq, k)
-
-    fresh = LLM(model_dir, **kw)
-    rid2 = fresh.add_request(seq.tokens[:-1], GREEDY)
-    seq2 = fresh.scheduler.by_request[rid2][0]
-    while not seq2.output_ids:
-        fresh.step()
-    assert seq2.tokens == seq.tokens
-    after_prefill = proposal_for(fresh, seq2, k)
-    assert after_plain.tokens == after_prefill.tokens
-    assert after_plain.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
