@@ -170,3 +170,23 @@ def test_fused_norms_and_activation_match_the_modules(dtype, offset):
         gate_up = torch.randn(5, 2 * 80, generator=g, device=DEVICE).to(dtype)
         ref = F.silu(gate_up[:, :80]) * gate_up[:, 80:]
         assert rel_err(kernels.silu_mul(gate_up), ref) < tol
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention runs on CUDA only")
+def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint):
+    """A prefill chunk of FLA_CHUNK_MIN_ROWS rows or more goes to fla's chunked kernel."""
+    pytest.importorskip("fla")
+    import checkpoints
+    from metrale.deploy.llm import LLM
+    from metrale.workers.batch import ForwardBatch
+    from metrale.workers.models.gated_deltanet import FLA_CHUNK_MIN_ROWS
+    model_dir = checkpoint("qwen3_5")
+    llm = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="triton",
+              cuda_graphs=False, block_size=16)
+    w = llm.worker
+    ids = (llm.encode("def schedule(self, tokens): return [t for t in tokens if t] ") * 20)
+    ids = ids[:FLA_CHUNK_MIN_ROWS + 37]
+    batch = ForwardBatch.build([(ids, 0, list(range(-(-len(ids) // 16))), 0)], 16, w.device,
+                               w.backend)
+    logits = w.model.logits(w.model(batch, w.kv, w.ssm)[0]).cpu()
+    assert rel_err(logits, checkpoints.reference_logits(model_dir, ids)) < 1e-2
