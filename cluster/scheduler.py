@@ -167,7 +167,7 @@ class Scheduler:
         by_id = {s.seq_id: s for s in self.running}
         outcomes = {o.seq_id: o for o in result.outcomes}
         touched = []
-        self._measure(plan, result)
+        self._measure(plan, result, outcomes)
         for w in plan.work:
             seq = by_id.get(w.seq_id)
             if seq is None:                    # aborted while the step ran
@@ -219,13 +219,12 @@ class Scheduler:
                    self.max_model_len - seq.num_tokens)
         return max(0, min(k, self.capacity.slot_capacity[seq.slot], room, left - 1))
 
-    def _measure(self, plan: StepPlan, result: StepResult) -> None:
+    def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict) -> None:
         """Feeds the draft policy a step's acceptance, and its time when every sequence of it
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
         asked for: one the proposer did not make gains no token, like a rejected one."""
         if not self.num_drafts:
             return
-        outcomes = {o.seq_id: o for o in result.outcomes}
         self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
