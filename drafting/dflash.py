@@ -11,6 +11,7 @@ from torch import nn
 from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
                                        masked_argmax)
 from metrale.workers.models.config import read_json
+from metrale.workers.cuda_graphs import bucket_for, buckets_up_to, capture
 from metrale.workers.models import kernels
 from metrale.workers.models.decoder import CausalLM, fuse
 from metrale.workers.models.layers import MLP, RMSNorm, Rotary
@@ -236,9 +237,8 @@ class DFlashGraphs:
     the whole context window, so one replay drafts for every sequence."""
 
     def __init__(self, proposer: DFlashProposer, max_batch: int):
-        from metrale.workers.cuda_graphs import BUCKETS
         self.proposer = proposer
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.buckets = buckets_up_to(max_batch)
         device = proposer.ctx_k.device
         self.inputs = torch.zeros(4, self.buckets[-1], dtype=torch.long, device=device)
         self.graphs: dict[int, tuple] = {}
@@ -246,7 +246,7 @@ class DFlashGraphs:
 
     def run(self, slots, pending, positions, lens):
         n = slots.shape[0]
-        bucket = next(b for b in self.buckets if b >= n)
+        bucket = bucket_for(self.buckets, n)
         self.inputs[:, n:bucket] = 0          # padding rows draft from slot 0's context, unused
         for row, values in zip(self.inputs, (slots, pending, positions, lens)):
             row[:n].copy_(values)
@@ -259,14 +259,7 @@ class DFlashGraphs:
     def _capture(self, bucket: int):
         p = self.proposer
         args = [row[:bucket] for row in self.inputs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            p._greedy(*args, p.window)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            tokens, logp = p._greedy(*args, p.window)
+        graph, (tokens, logp) = capture(lambda: p._greedy(*args, p.window), self.pool)
         self.pool = graph.pool()
         return graph, tokens, logp
 

@@ -15,12 +15,37 @@ from metrale.workers.batch import ForwardBatch, SeqRows
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
+def buckets_up_to(most: int) -> list[int]:
+    """The batch sizes graphs are captured at for batches of up to `most` sequences."""
+    return [b for b in BUCKETS if b < most] + [most]
+
+
+def bucket_for(buckets: list[int], n: int) -> int | None:
+    """The smallest bucket that holds n sequences (None: more than the largest)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def capture(step, pool):
+    """Runs `step` once on a side stream (compiling kernels and settling the allocator), then
+    captures it into a graph sharing `pool`. Returns the graph and what the captured call
+    returned: the tensors each replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = step()
+    return graph, out
+
+
 class GraphRunner:
     def __init__(self, model, kv, ssm, max_seqs: int, max_rows: int, max_blocks_per_seq: int,
                  capture_layers: tuple[int, ...], pad_block: int, pad_slot: int):
         self.model, self.kv, self.ssm = model, kv, ssm
         self.capture_layers = capture_layers
-        self.buckets = [b for b in BUCKETS if b < max_seqs] + [max_seqs]
+        self.buckets = buckets_up_to(max_seqs)
         self.max_rows, self.pad_block, self.pad_slot = max_rows, pad_block, pad_slot
         self.block_size = kv.block_size
         device = kv.k.device
@@ -51,7 +76,7 @@ class GraphRunner:
                     self.graphs[key] = self._capture(*key)
 
     def bucket(self, n: int) -> int | None:
-        return next((b for b in self.buckets if b >= n), None)
+        return bucket_for(self.buckets, n)
 
     def eligible(self, batch: ForwardBatch) -> bool:
         length = batch.uniform_length
@@ -113,14 +138,7 @@ class GraphRunner:
             for out, c in zip(self.out_captured, captured):
                 out[:rows].copy_(c)
             self.out_logits[:rows].copy_(self.model.logits(hidden))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):   # compiles the kernels and settles the allocator
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            step()
+        graph, _ = capture(step, self.pool)
         self.pool = graph.pool()
         return (graph, self.out_hidden[:rows], [c[:rows] for c in self.out_captured],
                 self.out_logits[:rows])
