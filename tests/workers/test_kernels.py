@@ -1,6 +1,7 @@
 """The Triton kernels against the torch reference: paged attention (prefill, decode, verify,
-non-causal blocks, GQA groups that are not powers of two) and the Gated DeltaNet recurrence with
-and without per-token verify states. On a GPU; on CPU only under TRITON_INTERPRET=1."""
+non-causal blocks, GQA groups that are not powers of two; keys in one range per program or split
+into several and combined) and the Gated DeltaNet recurrence with and without per-token verify
+states. On a GPU; on CPU only under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -62,28 +63,86 @@ def reference_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, scale,
     return out
 
 
+def run_attention(dtype, heads, kv_heads, dim, lengths, contexts, causal, splits=None,
+                  page=16, seed=0):
+    """Kernel and reference outputs for sequences of `lengths` new rows after `contexts` cached
+    tokens, their pages scattered over the cache."""
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(seed)
+    width = max(-(-(c + n) // page) for c, n in zip(contexts, lengths))
+    num_blocks = len(lengths) * width + 3
+    k_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
+    ctx = torch.tensor(contexts, device=DEVICE)
+    q_len = torch.tensor(lengths, device=DEVICE)
+    q_start = torch.cumsum(q_len, 0) - q_len
+    perm = torch.randperm(num_blocks, generator=g, device=DEVICE)   # scattered pages
+    tables = perm[: len(lengths) * width].view(len(lengths), width)
+    q = torch.randn(int(q_len.sum()), heads, dim, generator=g, device=DEVICE).to(dtype)
+    out = kernels.paged_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, max(lengths),
+                                  dim ** -0.5, causal, splits)
+    ref = reference_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, dim ** -0.5, causal)
+    return out, ref
+
+
+def assert_close(out, ref, dtype):
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
+
+
+@pytest.mark.parametrize("splits", [1, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 8, 128), (10, 2, 64), (8, 2, 256)])
 @pytest.mark.parametrize("lengths,causal", [([1, 1, 1], True), ([8, 8], True), ([37, 5, 1], True),
                                             ([9, 9], False)])
-def test_paged_attention(dtype, heads, kv_heads, dim, lengths, causal):
-    if DEVICE == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("the Triton interpreter mishandles bfloat16")
-    g = torch.Generator(DEVICE).manual_seed(len(lengths) * heads + dim)
-    page, num_blocks = 16, 64
-    k_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
-    v_cache = torch.randn(num_blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
-    ctx = torch.tensor([70, 3, 200][: len(lengths)], device=DEVICE)
-    q_len = torch.tensor(lengths, device=DEVICE)
-    q_start = torch.cumsum(q_len, 0) - q_len
-    perm = torch.randperm(num_blocks, generator=g, device=DEVICE)   # scattered pages
-    tables = perm[: len(lengths) * 16].view(len(lengths), 16)
-    q = torch.randn(int(q_len.sum()), heads, dim, generator=g, device=DEVICE).to(dtype)
-    out = kernels.paged_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, max(lengths),
-                                  dim ** -0.5, causal)
-    ref = reference_attention(q, k_cache, v_cache, tables, q_start, q_len, ctx, dim ** -0.5, causal)
-    assert not out.isnan().any()
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
+def test_paged_attention(dtype, heads, kv_heads, dim, lengths, causal, splits):
+    """One key range per program (splits=1) and the default, which splits these small grids."""
+    out, ref = run_attention(dtype, heads, kv_heads, dim, lengths, [70, 3, 200][: len(lengths)],
+                             causal, splits, seed=len(lengths) * heads + dim)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 4), (8, 2), (16, 2), (12, 2)])
+@pytest.mark.parametrize("lengths,contexts,causal", [
+    ([1], [1000], True),                 # decode: many ranges, context not a multiple of them
+    ([8], [517], True),                  # verify blocks
+    ([16], [1020], True),                # rows 1020..1023 see none of the last range's keys
+    ([16], [1001], False),               # DFlash's non-causal block
+    ([1, 1, 1, 4], [0, 3, 777, 2], True),  # no context; fewer keys than ranges (empty ranges)
+])
+def test_split_attention(dtype, heads, kv_heads, lengths, contexts, causal):
+    """Batch-1-like grids: the keys are split into several ranges and combined."""
+    dim, page = 64, 16
+    width = max(-(-(c + n) // page) for c, n in zip(contexts, lengths))
+    programs = len(lengths) * kv_heads * max(lengths)   # at least the grid: at most its splits
+    assert kernels.attention_splits(programs, width * page, 64, torch.device(DEVICE)) >= 4
+    out, ref = run_attention(dtype, heads, kv_heads, dim, lengths, contexts, causal,
+                             seed=heads + kv_heads + len(lengths))
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("splits", [2, 32])
+def test_split_attention_forced(splits):
+    """A given number of ranges, from two to more ranges than a short context has keys; rows
+    62, 63 of the first sequence and 120..127 of the last see no key of the range from 64 or
+    128 on."""
+    out, ref = run_attention(torch.float32, 8, 2, 64, [3, 1, 16], [62, 0, 120], True, splits)
+    assert_close(out, ref, torch.float32)
+
+
+def test_attention_splits_rule():
+    """Small grids split up to MAX_SPLITS, no more than the context has key blocks; large grids
+    keep one range."""
+    device = torch.device(DEVICE)
+    sms = kernels._sm_count(device)
+    assert kernels.attention_splits(8, 1 << 20, 64, device) == kernels.MAX_SPLITS
+    assert kernels.attention_splits(8, 512, 64, device) == 8
+    assert kernels.attention_splits(8, 100, 64, device) == 1
+    assert kernels.attention_splits(kernels.PROGRAMS_PER_SM * sms, 1 << 20, 64, device) == 1
+    small = kernels.attention_splits(sms, 1 << 20, 64, device)
+    assert 1 < small and sms * small >= kernels.PROGRAMS_PER_SM * sms
 
 
 @pytest.mark.parametrize("keep", [False, True])

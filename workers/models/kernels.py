@@ -8,6 +8,7 @@ and gated_deltanet.py is the reference they are tested against.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,14 +38,19 @@ def _pow2(n: int) -> int:
 if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
-            q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, q_start_ptr, q_len_ptr, ctx_ptr, scale,
-            stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
+            q_ptr, k_ptr, v_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, tables_ptr, q_start_ptr,
+            q_len_ptr, ctx_ptr, scale, heads, stride_qt, stride_qh, stride_kb, stride_ks,
+            stride_kh, stride_tb, stride_ot, stride_oh,
             GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-            PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+            PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
         """One program: BLOCK_L query rows of one sequence for the GROUP query heads that share
-        one KV head; keys stream from the paged cache with an online softmax."""
-        seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        one KV head, over one of SPLITS equal ranges (whole BLOCK_N blocks) of the keys those rows
+        see; keys stream from the paged cache with an online softmax. With one range the rows are
+        normalised into `out`; with several each range leaves its un-normalised float32 partial
+        (acc, running max m, sum l) for _combine_splits_kernel."""
+        seq, kv_head = tl.program_id(0), tl.program_id(1)
+        tile, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
         q_len = tl.load(q_len_ptr + seq)
         if tile * BLOCK_L < q_len:
             q_start = tl.load(q_start_ptr + seq)
@@ -61,12 +67,15 @@ if triton is not None:
             end = ctx + q_len
             if CAUSAL:   # the tile's last row sees keys up to its own position
                 end = ctx + min(q_len, (tile + 1) * BLOCK_L)
+            chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * chunk
+            hi = min(lo + chunk, end)
             m_i = tl.full([G_PAD * BLOCK_L], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD * BLOCK_L], tl.float32)
             acc = tl.zeros([G_PAD * BLOCK_L, D_PAD], tl.float32)
-            for start in range(0, end, BLOCK_N):
+            for start in range(lo, hi, BLOCK_N):
                 n = start + tl.arange(0, BLOCK_N)
-                n_ok = n < end
+                n_ok = n < hi
                 page = tl.load(tables_ptr + seq * stride_tb + n // PAGE, mask=n_ok, other=0)
                 kv = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
                 k = tl.load(k_ptr + kv[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
@@ -93,10 +102,39 @@ if triton is not None:
                     pv = tl.dot(p.to(v.dtype), v)
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
-                     + d[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & d_ok[None, :])
+            if SPLITS == 1:
+                out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+                tl.store(out_ptr + (q_start + row)[:, None] * stride_ot
+                         + head[:, None] * stride_oh + d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            else:   # rows that saw no key here keep m = -inf and no acc: the combine skips them
+                part = ((q_start + row) * heads + head) * SPLITS + split
+                tl.store(m_ptr + part, m_i, mask=row_ok)
+                tl.store(l_ptr + part, l_i, mask=row_ok)
+                saw = row_ok & (m_i > float("-inf"))
+                tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                         mask=saw[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _combine_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, heads, stride_ot, stride_oh,
+                               SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               D_PAD: tl.constexpr):
+        """One query row of one head: its SPLITS partials, each weighted by exp(m_i - max m), so a
+        range with no key for the row (m_i = -inf) weighs nothing; a row with no key at all
+        gets zeros, as in the single-range path."""
+        row, head = tl.program_id(0), tl.program_id(1)
+        part = (row * heads + head) * SPLITS + tl.arange(0, SPLITS)
+        d = tl.arange(0, D_PAD)
+        m_s = tl.load(m_ptr + part)
+        l_s = tl.load(l_ptr + part)
+        saw = m_s > float("-inf")
+        w = tl.where(saw, tl.exp(m_s - tl.max(m_s, 0)), 0.0)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                      mask=saw[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        total = tl.sum(w * l_s, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + row * stride_ot + head * stride_oh + d,
+                 out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
     @triton.jit
     def _gated_delta_kernel(
@@ -196,27 +234,67 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(dtype), mask=ok)
 
 
+# Split-KV: a grid smaller than PROGRAMS_PER_SM programs per SM splits each program's keys into
+# up to MAX_SPLITS ranges, so a small batch (decode, verify) still spreads over the whole GPU.
+PROGRAMS_PER_SM, MAX_SPLITS = 2, 32
+INTERPRETER_SMS = 132   # an H100/H200, so that tests under the interpreter take the GPU's paths
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
+    """How many key ranges each of `programs` attention programs is split into: doubled until the
+    grid has PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS, and no more ranges than a
+    context of `max_keys` has blocks of `block_n` keys. Only host values go in (never the device
+    context lengths), so a CUDA graph captured with it stays valid."""
+    target = PROGRAMS_PER_SM * _sm_count(device)
+    splits = 1
+    while programs * splits < target and splits < MAX_SPLITS and 2 * splits * block_n <= max_keys:
+        splits *= 2
+    return splits
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                     context_lens: torch.Tensor, max_q_len: int, scale: float,
-                    causal: bool = True) -> torch.Tensor:
+                    causal: bool = True, splits: int | None = None) -> torch.Tensor:
     """q: [T, heads, D] rows of S sequences (sequence s owns rows q_start[s] .. + q_len[s], at
     positions context_lens[s] ..); k_cache, v_cache: one layer's pages [blocks, page, kv_heads, D]
-    already holding these rows' keys; block_tables: [S, W]. Returns [T, heads, D]."""
+    already holding these rows' keys; block_tables: [S, W]. Returns [T, heads, D].
+
+    `splits` (a power of two) fixes the number of key ranges; by default attention_splits picks
+    it from the grid and the longest context the block tables can hold."""
     rows, heads, dim = q.shape
     page, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
     g_pad = _pow2(group)
     block_l = max(_pow2(min(max_q_len, max(64 // g_pad, 1))), max(16 // g_pad, 1))
-    out = torch.empty_like(q)
+    block_n = 64 if dim <= 128 else 32
     grid = (block_tables.shape[0], kv_heads, triton.cdiv(max_q_len, block_l))
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, q_start, q_len, context_lens, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, G_PAD=g_pad, BLOCK_L=block_l, BLOCK_N=64 if dim <= 128 else 32,
-        HEAD_DIM=dim, D_PAD=max(_pow2(dim), 16), PAGE=page, CAUSAL=causal,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+    if splits is None:
+        splits = attention_splits(grid[0] * grid[1] * grid[2], block_tables.shape[1] * page,
+                                  block_n, q.device)
+    out = torch.empty_like(q)
+    acc = m_part = l_part = out   # the partials, only with several ranges
+    if splits > 1:
+        acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+        m_part, l_part = torch.empty(2, rows, heads, splits, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[grid[:2] + (grid[2] * splits,)](
+        q, k_cache, v_cache, out, acc, m_part, l_part, block_tables, q_start, q_len,
+        context_lens, scale, heads, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, G_PAD=g_pad, BLOCK_L=block_l, BLOCK_N=block_n, HEAD_DIM=dim,
+        D_PAD=max(_pow2(dim), 16), PAGE=page, CAUSAL=causal, IEEE=q.dtype == torch.float32,
+        SPLITS=splits, num_warps=4)
+    if splits > 1:
+        _combine_splits_kernel[(rows, heads)](
+            acc, m_part, l_part, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
+            HEAD_DIM=dim, D_PAD=_pow2(dim), num_warps=4)
     return out
 
 
