@@ -1,7 +1,7 @@
 """The Triton kernels against the torch reference: paged attention (prefill, decode, verify,
 non-causal blocks, GQA groups that are not powers of two; keys in one range per program or split
-into several and combined) and the Gated DeltaNet recurrence with and without per-token verify
-states. On a GPU; on CPU only under TRITON_INTERPRET=1."""
+into several and combined), the K/V cache write, and the Gated DeltaNet recurrence with and
+without per-token verify states. On a GPU; on CPU only under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -143,6 +143,26 @@ def test_attention_splits_rule():
     assert kernels.attention_splits(kernels.PROGRAMS_PER_SM * sms, 1 << 20, 64, device) == 1
     small = kernels.attention_splits(sms, 1 << 20, 64, device)
     assert 1 < small and sms * small >= kernels.PROGRAMS_PER_SM * sms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_put(dtype):
+    """Strided k and v rows land in their slots; every other slot keeps its value."""
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(0)
+    blocks, page, kv_heads, dim, rows = 6, 4, 3, 32, 9
+    k_cache = torch.randn(blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
+    v_cache = torch.randn(blocks, page, kv_heads, dim, generator=g, device=DEVICE).to(dtype)
+    kv = torch.randn(rows, 2 * kv_heads * dim + 8, generator=g, device=DEVICE).to(dtype)
+    k = kv[:, : kv_heads * dim].view(rows, kv_heads, dim)        # views of one GEMM's output
+    v = kv[:, kv_heads * dim: 2 * kv_heads * dim].view(rows, kv_heads, dim)
+    slots = torch.randperm(blocks * page, generator=g, device=DEVICE)[:rows]
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref_k.view(-1, kv_heads, dim)[slots] = k
+    ref_v.view(-1, kv_heads, dim)[slots] = v
+    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -137,6 +137,23 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
     @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh,
+                         stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                         KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         D_PAD: tl.constexpr, PAGE: tl.constexpr):
+        """One row: its keys and values of every KV head to its slot (block * PAGE + offset)."""
+        row = tl.program_id(0)
+        slot = tl.load(slots_ptr + row)
+        h = tl.arange(0, H_PAD)[:, None]
+        d = tl.arange(0, D_PAD)[None, :]
+        ok = (h < KV_HEADS) & (d < HEAD_DIM)
+        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
+        k = tl.load(k_ptr + row * stride_kt + h * stride_kh + d, mask=ok)
+        v = tl.load(v_ptr + row * stride_vt + h * stride_vh + d, mask=ok)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _gated_delta_kernel(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, keep_ptr,
             entries_ptr, length, scale,
@@ -296,6 +313,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             acc, m_part, l_part, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
             HEAD_DIM=dim, D_PAD=_pow2(dim), num_warps=4)
     return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes row t of k and v ([T, kv_heads, D], rows and heads may be strided) to slot
+    slot_mapping[t] of one layer's pages [blocks, page, kv_heads, D], both in one launch."""
+    rows, kv_heads, dim = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+    _write_kv_kernel[(rows,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads,
+        H_PAD=_pow2(kv_heads), HEAD_DIM=dim, D_PAD=_pow2(dim), PAGE=k_cache.shape[1],
+        num_warps=4)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

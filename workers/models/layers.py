@@ -96,11 +96,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Pa
     """
     if cache is None:
         return _attend_rows(q, k, v, batch, scale)
-    cache.write(layer, batch, k, v)
-    if batch.backend == "triton":
+    if batch.backend == "triton":   # K and V written by one kernel, not two index_puts
+        kernels.write_kv(k, v, cache.k[layer], cache.v[layer], batch.slot_mapping)
         return kernels.paged_attention(q, cache.k[layer], cache.v[layer], batch.block_tables,
                                        batch.q_start, batch.q_len, batch.context_lens,
                                        batch.max_q_len, scale)
+    cache.write(layer, batch, k, v)
     if batch.uniform_length is not None and len(batch.seqs) > 1:
         return _attend_padded(q, cache, layer, batch, scale)
     out = torch.empty_like(q)
