@@ -89,8 +89,8 @@ class GatedDeltaNet(nn.Module):
         for rows, slots, verify in _groups(batch, x.device):
             out = self._mix(mixed[rows], g[rows], beta[rows], slots, pool, verify, batch.backend)
             core[rows] = out.to(x.dtype)
-        out = self.norm(core, z).reshape(n_rows, self.value_dim)
-        return self.out_proj(out)
+        out = self.norm.fused(core, z) if batch.backend == "triton" else self.norm(core, z)
+        return self.out_proj(out.reshape(n_rows, self.value_dim))
 
     def _mix(self, mixed, g, beta, slots, pool, verify: bool, backend: str):
         """mixed: [B, L, conv_dim] for B sequences of L rows each. Updates their slots in place, or

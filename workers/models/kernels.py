@@ -1,7 +1,8 @@
-"""Triton kernels for the GPU: paged attention over the block tables, and the Gated DeltaNet
-recurrence that reads and writes the SSM slot pool in place (every per-token state for a verify).
+"""Triton kernels for the GPU: paged attention over the block tables; the Gated DeltaNet
+recurrence, which reads and writes the SSM slot pool in place (every per-token state for a
+verify); and fused norms and activations.
 
-Both read only device tensors (no host values per sequence), so a step built from them can be
+All read only device tensors (no host values per sequence), so a step built from them can be
 captured in a CUDA graph. `available()` says whether Triton imports; the torch code in layers.py
 and gated_deltanet.py is the reference they are tested against.
 """
@@ -195,6 +196,24 @@ if triton is not None:
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(dtype), mask=ok)
 
+    @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, heads, stride_xt, stride_gt,
+                               eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+        """One head of one row: RMSNorm rounded to x's dtype, times the weight (rounded again),
+        times SiLU(gate) in float32, as GatedRMSNorm rounds."""
+        row, head = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, D_PAD)
+        ok = d < HEAD_DIM
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_xt + head * HEAD_DIM + d, mask=ok, other=0.0)
+        x = x.to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x) / HEAD_DIM + eps)).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + row * stride_gt + head * HEAD_DIM + d, mask=ok, other=0.0)
+        gate = gate.to(tl.float32)
+        y = (w * normed).to(dtype).to(tl.float32) * (gate / (1.0 + tl.exp(-gate)))
+        tl.store(out_ptr + (row * heads + head) * HEAD_DIM + d, y.to(dtype), mask=ok)
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
@@ -277,4 +296,19 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](x, out, n, BLOCK=1024, num_warps=4)
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """GatedRMSNorm: RMSNorm over each head of x [T, heads, D] times the weight, times
+    SiLU(gate) [T, heads, D]; rows may be strided, each row's heads contiguous. Returns a
+    contiguous [T, heads, D]."""
+    rows, heads, dim = x.shape
+    for t in (x, gate):
+        assert t.stride(2) == 1 and t.stride(1) == dim
+    out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
+    _gated_rms_norm_kernel[(rows, heads)](x, gate, weight, out, heads, x.stride(0),
+                                          gate.stride(0), eps, HEAD_DIM=dim, D_PAD=_pow2(dim),
+                                          num_warps=1)
     return out
