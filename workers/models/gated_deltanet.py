@@ -42,6 +42,28 @@ def gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     return out, state, (torch.stack(states, dim=1) if keep_states else None)
 
 
+def causal_conv1d_update(mixed: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
+                         slots: torch.Tensor, keep: torch.Tensor | None = None,
+                         entries: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv then SiLU over B sequences of L rows, mixed [B, L, C], with weight
+    [C, 1, K]. Each sequence's inputs are its conv window, one layer's windows [slots, C, K-1]
+    read at `slots` [B] (kept in their dtype), then its rows. Without `keep` the slots' windows
+    become their last K-1 inputs; with it the window after row t goes to keep[entries[b, t]].
+    Returns [B, L, C] in mixed's dtype."""
+    kernel = weight.shape[-1]
+    extended = torch.cat((window[slots], mixed.transpose(1, 2).to(window.dtype)), -1)
+    if keep is not None:
+        # the conv window after row t is columns t+1 .. t+K-1 of the extended window
+        per_row = extended.unfold(-1, kernel - 1, 1)[:, :, 1:]      # [B, C, L, K-1]
+        keep[entries] = per_row.permute(0, 2, 1, 3)
+    else:
+        window[slots] = extended[..., -(kernel - 1):]
+    # depthwise causal conv: out[t] = sum_i w[:, i] * extended[:, t + i]
+    taps = extended.to(weight.dtype).unfold(-1, kernel, 1)   # [B, C, L, K]
+    conv = F.silu((taps * weight[:, 0][None, :, None, :]).sum(-1))
+    return conv.transpose(1, 2).to(mixed.dtype)
+
+
 class GatedDeltaNet(nn.Module):
     """Under tensor parallelism each rank holds its share of the key and value heads (a key head
     and the consecutive value heads it serves stay on one rank), with their conv channels."""
@@ -54,13 +76,13 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        self.kernel = cfg.linear_conv_kernel_dim
+        kernel = cfg.linear_conv_kernel_dim
         conv_dim = 2 * self.key_dim + self.value_dim
         # q | k | v channels, each split by heads
         qkv = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
         hidden, v_heads = cfg.hidden_size, cfg.linear_num_value_heads
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False,
-                                padding=self.kernel - 1)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False,
+                                padding=kernel - 1)
         self.conv1d.shards = {"weight": Shard(0, qkv)}
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -95,26 +117,16 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, mixed, g, beta, slots, pool, verify: bool, backend: str):
         """mixed: [B, L, conv_dim] for B sequences of L rows each. Updates their slots in place, or
         with `verify` writes the state after each row into the slots' verify-pool entries 0..L-1."""
-        n_seq, length, _ = mixed.shape
-        layer = self.pool_index
-        window = torch.cat((pool.conv[layer, slots], mixed.transpose(1, 2).to(pool.conv.dtype)), -1)
-        if verify:
-            entries = pool.entries(slots, length)
-            # the conv window after row t is columns t+1 .. t+K-1 of the extended window
-            per_row = window.unfold(-1, self.kernel - 1, 1)[:, :, 1:]      # [B, C, L, K-1]
-            pool.verify_conv[layer, entries] = per_row.permute(0, 2, 1, 3)
-        else:
-            pool.conv[layer, slots] = window[..., -(self.kernel - 1):]
-        # depthwise causal conv: out[t] = sum_i w[:, i] * window[:, t + i]
-        taps = window.to(self.conv1d.weight.dtype).unfold(-1, self.kernel, 1)   # [B, C, L, K]
-        conv = F.silu((taps * self.conv1d.weight[:, 0][None, :, None, :]).sum(-1))
-        q, k, v = torch.split(conv.transpose(1, 2).to(mixed.dtype),
-                              [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(n_seq, length, self.num_v_heads, self.head_v_dim)
+        layer, length = self.pool_index, mixed.shape[1]
+        entries = pool.entries(slots, length) if verify else None
+        keep = pool.verify_conv[layer] if verify else None
         if backend == "triton":
-            return self._mix_on_gpu(q, k, v, g, beta, slots, pool, entries if verify else None)
+            conv = kernels.causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
+                                                keep, pool.offsets if verify else None)
+            return self._mix_on_gpu(*self._heads(conv), g, beta, slots, pool, entries)
+        conv = causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots, keep,
+                                    entries)
+        q, k, v = self._heads(conv)
         if self.num_v_heads != self.num_k_heads:  # each key head serves consecutive value heads
             rep = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
@@ -143,6 +155,13 @@ class GatedDeltaNet(nn.Module):
                            output_final_state=True, use_qk_l2norm_in_kernel=True)
         pool.state[layer, slots] = state
         return out
+
+    def _heads(self, conv: torch.Tensor):
+        """q, k [B, L, key_heads, dk] and v [B, L, value_heads, dv]: views of the conv output."""
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
 
 def _fla_chunk():

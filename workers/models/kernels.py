@@ -1,6 +1,6 @@
 """Triton kernels for the GPU: paged attention over the block tables; the Gated DeltaNet
-recurrence, which reads and writes the SSM slot pool in place (every per-token state for a
-verify); and fused norms and activations.
+recurrence and causal conv, which read and write the SSM slot pool in place (every per-token
+state for a verify); and fused norms and activations.
 
 All read only device tensors (no host values per sequence), so a step built from them can be
 captured in a CUDA graph. `available()` says whether Triton imports; the torch code in layers.py
@@ -197,6 +197,57 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(dtype), mask=ok)
 
     @triton.jit
+    def _conv_input(window_ptr, rows_ptr, stride_t, pos, c, ok, KM1: tl.constexpr):
+        """Channels c of input `pos` of one sequence's conv inputs: its K-1 window inputs, then
+        its rows (at stride_t), in the window's dtype."""
+        old = tl.load(window_ptr + c * KM1 + pos, mask=ok & (pos < KM1), other=0.0)
+        new = tl.load(rows_ptr + (pos - KM1) * stride_t + c, mask=ok & (pos >= KM1), other=0.0)
+        return tl.where(pos < KM1, old, new.to(window_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _causal_conv1d_kernel(x_ptr, w_ptr, window_ptr, slots_ptr, keep_ptr, offsets_ptr,
+                              out_ptr, length, channels, stride_xb, stride_xt,
+                              K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                              KEEP: tl.constexpr):
+        """One program: BLOCK channels of ROWS rows of one sequence, row by row. Row t's output
+        is silu(sum_i w[i] * input[t + i]), the inputs being the sequence's window then its rows;
+        as in the torch reference, the taps and each product are rounded to the weight's dtype,
+        and so are the sum and the SiLU. With KEEP the window after row t (inputs t+1 .. t+K-1)
+        goes to verify entry offsets[slot] + t and the slot is left alone; else the first
+        program of the rows (the only one that reads the window, as ROWS >= K-1) writes the
+        slot's new window, the last K-1 inputs, after its reads: each channel is read and
+        written by one thread."""
+        seq, block, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        c = block * BLOCK + tl.arange(0, BLOCK)
+        ok = c < channels
+        slot = tl.load(slots_ptr + seq)
+        window = window_ptr + slot * channels * (K - 1)
+        rows = x_ptr + seq * stride_xb
+        w_dtype = w_ptr.dtype.element_ty
+        for t in range(row_block * ROWS, tl.minimum(row_block * ROWS + ROWS, length)):
+            acc = tl.zeros([BLOCK], tl.float32)
+            for i in tl.static_range(K):
+                x = _conv_input(window, rows, stride_xt, t + i, c, ok, K - 1).to(w_dtype)
+                w = tl.load(w_ptr + c * K + i, mask=ok, other=0.0)
+                acc += (x.to(tl.float32) * w.to(tl.float32)).to(w_dtype).to(tl.float32)
+            acc = acc.to(w_dtype).to(tl.float32)
+            y = (acc / (1.0 + tl.exp(-acc))).to(w_dtype)
+            tl.store(out_ptr + (seq * length + t) * channels + c,
+                     y.to(out_ptr.dtype.element_ty), mask=ok)
+            if KEEP:
+                entry = tl.load(offsets_ptr + slot) + t
+                for j in tl.static_range(K - 1):
+                    tl.store(keep_ptr + (entry * channels + c) * (K - 1) + j,
+                             _conv_input(window, rows, stride_xt, t + 1 + j, c, ok, K - 1),
+                             mask=ok)
+        if not KEEP:
+            if row_block == 0:
+                for j in tl.static_range(K - 1):   # reads input length + j > j before writing j
+                    tl.store(window + c * (K - 1) + j,
+                             _conv_input(window, rows, stride_xt, length + j, c, ok, K - 1),
+                             mask=ok)
+
+    @triton.jit
     def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, heads, stride_xt, stride_gt,
                                eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
         """One head of one row: RMSNorm rounded to x's dtype, times the weight (rounded again),
@@ -296,6 +347,31 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](x, out, n, BLOCK=1024, num_warps=4)
+    return out
+
+
+CONV_BLOCK, CONV_ROWS = 256, 16   # channels and rows per conv program
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
+                         slots: torch.Tensor, keep: torch.Tensor | None = None,
+                         offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv then SiLU over B sequences of L rows, x [B, L, C] (rows may be
+    strided, channels contiguous), with weight [C, 1, K]. Each sequence's inputs are its conv
+    window, one layer's windows [slots, C, K-1] read at `slots` [B], then its rows. Without
+    `keep` the slots' windows become their last K-1 inputs; with it the window after row t goes
+    to keep[offsets[slots[b]] + t] and the slots are left alone. Returns [B, L, C] in x's dtype."""
+    n_seq, length, channels = x.shape
+    taps = weight.shape[-1]
+    assert x.stride(2) == 1 and weight.is_contiguous() and window.is_contiguous()
+    assert (keep is None or keep.is_contiguous()) and taps - 1 <= CONV_ROWS
+    out = torch.empty(n_seq, length, channels, dtype=x.dtype, device=x.device)
+    grid = (n_seq, triton.cdiv(channels, CONV_BLOCK), triton.cdiv(length, CONV_ROWS))
+    _causal_conv1d_kernel[grid](
+        x, weight, window, slots, keep if keep is not None else window,
+        offsets if offsets is not None else slots, out, length, channels, x.stride(0),
+        x.stride(1), K=taps, BLOCK=CONV_BLOCK, ROWS=CONV_ROWS, KEEP=keep is not None,
+        num_warps=4)
     return out
 
 
