@@ -1,7 +1,7 @@
 """The Triton kernels against the torch reference: paged attention (prefill, decode, verify,
-non-causal blocks, GQA groups that are not powers of two), the Gated DeltaNet recurrence and
-causal conv with and without per-token verify states, and the fused norms. On a GPU; on CPU only
-under TRITON_INTERPRET=1."""
+non-causal blocks, GQA groups that are not powers of two), the Gated DeltaNet recurrence with its
+gates and its causal conv, with and without per-token verify states, and the fused norms. On a
+GPU; on CPU only under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.workers.models import kernels
-from metrale.workers.models.gated_deltanet import causal_conv1d_update, gated_delta_rule
+from metrale.workers.models.gated_deltanet import causal_conv1d_update, gated_delta_rule, gates
 
 if not kernels.available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -98,28 +98,36 @@ def verify_offsets(slot_ids, n_slots, length, first):
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("hk,hv,dim", [(2, 4, 32), (4, 4, 64)])
 def test_gated_delta_rule(keep, hk, hv, dim):
+    """The recurrence with its gates computed from the raw projections, reading q, k, v, a, b as
+    views of one wider row, as the layer passes them."""
     g_ = torch.Generator(DEVICE).manual_seed(hk + dim + keep)
-    b, length, slots = 3, 5, 6
+    n_seq, length, slots = 3, 5, 6
 
     def rand(*shape):
         return torch.randn(*shape, generator=g_, device=DEVICE)
-    q, k, v = rand(b, length, hk, dim), rand(b, length, hk, dim), rand(b, length, hv, dim)
-    g = -torch.rand(b, length, hv, generator=g_, device=DEVICE)
-    beta = torch.rand(b, length, hv, generator=g_, device=DEVICE)
+    widths = [hk * dim, hk * dim, hv * dim, hv, hv]
+    q, k, v, a, b = rand(n_seq, length, sum(widths) + 3)[..., 3:].split(widths, -1)
+    q, k, v = q.unflatten(-1, (hk, dim)), k.unflatten(-1, (hk, dim)), v.unflatten(-1, (hv, dim))
+    a.mul_(4)
+    a[0, 0, 0], a[1, 0, 1] = 30.0, -30.0    # softplus above its threshold, and of a tiny exp
+    a_log, dt_bias = rand(hv) * 0.5, rand(hv)
     state = rand(slots, hv, dim, dim) * 0.1
     slot_ids = torch.tensor([4, 0, 2], device=DEVICE)
+    g, beta = gates(a, b, a_log, dt_bias)
     rep = hv // hk
     ref_out, ref_final, ref_states = gated_delta_rule(
         q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta,
         state[slot_ids].clone(), keep_states=True)
     before = state.clone()
-    pool = torch.full((b * length + 2, hv, dim, dim), float("nan"), device=DEVICE) if keep else None
-    entries = (torch.arange(b * length, device=DEVICE).view(b, length) + 2) if keep else None
-    out = kernels.gated_delta_rule(q, k, v, g, beta, state, slot_ids, pool, entries)
+    offsets, _ = verify_offsets(slot_ids, slots, length, 2)
+    pool = (torch.full((n_seq * length + 2, hv, dim, dim), float("nan"), device=DEVICE) if keep
+            else None)
+    out = kernels.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, slot_ids, pool,
+                                   offsets if keep else None)
     assert rel_err(out, ref_out) < 1e-4
     if keep:
         assert torch.equal(state, before)
-        assert rel_err(pool[2:].view(b, length, hv, dim, dim), ref_states) < 1e-4
+        assert rel_err(pool[2:].view(n_seq, length, hv, dim, dim), ref_states) < 1e-4
     else:
         assert rel_err(state[slot_ids], ref_final) < 1e-4
         untouched = [s for s in range(slots) if s not in slot_ids.tolist()]

@@ -42,6 +42,12 @@ def gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     return out, state, (torch.stack(states, dim=1) if keep_states else None)
 
 
+def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Per row and value head: the decay g = -exp(A_log) * softplus(a + dt_bias) in float32 and
+    the write strength beta = sigmoid(b) in b's dtype."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def causal_conv1d_update(mixed: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
                          slots: torch.Tensor, keep: torch.Tensor | None = None,
                          entries: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,30 +109,29 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed, z, b, a = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x),
                               self.in_proj_a(x))
-        z = z.reshape(n_rows, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = torch.empty(n_rows, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         pool.check_verify(batch.seqs)
-        for rows, slots, verify in _groups(batch, x.device):
-            out = self._mix(mixed[rows], g[rows], beta[rows], slots, pool, verify, batch.backend)
-            core[rows] = out.to(x.dtype)
+        mix = self._mix_on_gpu if batch.backend == "triton" else self._mix
+        parts = []
+        for rows, slots, length, verify in _groups(batch, x.device):
+            out = mix(_take(mixed, rows, length), _take(a, rows, length), _take(b, rows, length),
+                      slots, pool, verify)
+            parts.append((rows, out.to(x.dtype)))
+        core = _join(parts, n_rows)
+        z = z.reshape(n_rows, self.num_v_heads, self.head_v_dim)
         out = self.norm.fused(core, z) if batch.backend == "triton" else self.norm(core, z)
         return self.out_proj(out.reshape(n_rows, self.value_dim))
 
-    def _mix(self, mixed, g, beta, slots, pool, verify: bool, backend: str):
-        """mixed: [B, L, conv_dim] for B sequences of L rows each. Updates their slots in place, or
-        with `verify` writes the state after each row into the slots' verify-pool entries 0..L-1."""
+    def _mix(self, mixed, a, b, slots, pool, verify: bool):
+        """The torch reference over B sequences of L rows each: mixed [B, L, conv_dim] and the
+        gates' projections a, b [B, L, value_heads]. Updates their slots in place, or with
+        `verify` writes the state after each row into the slots' verify-pool entries 0..L-1.
+        Returns [B, L, value_heads, dv] in float32."""
         layer, length = self.pool_index, mixed.shape[1]
         entries = pool.entries(slots, length) if verify else None
-        keep = pool.verify_conv[layer] if verify else None
-        if backend == "triton":
-            conv = kernels.causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
-                                                keep, pool.offsets if verify else None)
-            return self._mix_on_gpu(*self._heads(conv), g, beta, slots, pool, entries)
-        conv = causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots, keep,
-                                    entries)
+        conv = causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
+                                    pool.verify_conv[layer] if verify else None, entries)
         q, k, v = self._heads(conv)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
         if self.num_v_heads != self.num_k_heads:  # each key head serves consecutive value heads
             rep = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
@@ -138,21 +143,26 @@ class GatedDeltaNet(nn.Module):
             pool.state[layer, slots] = state
         return out
 
-    def _mix_on_gpu(self, q, k, v, g, beta, slots, pool, entries):
-        """The recurrence in Triton, reading and writing the pool in place; long chunks without a
-        verify go to flash-linear-attention's chunked kernel when it is installed."""
-        layer, n_seq, length = self.pool_index, q.shape[0], q.shape[1]
-        chunk = _fla_chunk() if entries is None and length >= FLA_CHUNK_MIN_ROWS else None
+    def _mix_on_gpu(self, mixed, a, b, slots, pool, verify: bool):
+        """The same in Triton, reading and writing the pool in place: the conv, then the
+        recurrence with its gates; long chunks without a verify go to flash-linear-attention's
+        chunked kernel when it is installed. Returns [B, L, value_heads, dv] in mixed's dtype."""
+        layer, length = self.pool_index, mixed.shape[1]
+        offsets = pool.offsets if verify else None
+        conv = kernels.causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
+                                            pool.verify_conv[layer] if verify else None, offsets)
+        q, k, v = self._heads(conv)
+        chunk = _fla_chunk() if not verify and length >= FLA_CHUNK_MIN_ROWS else None
         if chunk is None:
-            keep = pool.verify_state[layer] if entries is not None else None
-            return kernels.gated_delta_rule(q, k, v, g.view(n_seq, length, -1),
-                                            beta.view(n_seq, length, -1), pool.state[layer],
-                                            slots, keep, entries)
+            return kernels.gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias,
+                                            pool.state[layer], slots,
+                                            pool.verify_state[layer] if verify else None, offsets)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
         rep = self.num_v_heads // self.num_k_heads
-        out, state = chunk(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v,
-                           g.view(n_seq, length, -1).float(), beta.view(n_seq, length, -1).float(),
-                           scale=self.head_k_dim ** -0.5, initial_state=pool.state[layer, slots],
-                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out, state = chunk(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g,
+                           beta.float(), scale=self.head_k_dim ** -0.5,
+                           initial_state=pool.state[layer, slots], output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
         pool.state[layer, slots] = state
         return out
 
@@ -177,17 +187,36 @@ FLA_CHUNK_MIN_ROWS = 64   # shorter chunks (decode, verify, short prefill) run t
 
 
 def _groups(batch: ForwardBatch, device):
-    """Row indices [B, L], slots [B] and the verify flag of each set of sequences that share a
-    chunk length and a verify flag, so each set runs as one batched recurrence."""
+    """Row indices [B, L], slots [B], chunk length L and verify flag of each set of sequences that
+    share a chunk length and a verify flag, so each set runs as one batched recurrence. The row
+    indices are None for a set that is the whole batch in order (decode, verify): its rows are
+    views of the batch's rows, with nothing to gather or scatter."""
     groups: dict[tuple[int, bool], list] = {}
     for s in batch.seqs:
         groups.setdefault((s.length, s.verify), []).append(s)
     if len(groups) == 1 and batch.slots is not None:   # decode or verify: from device tensors
         (length, verify), = groups
-        rows = torch.arange(len(batch.seqs) * length, device=device).view(-1, length)
-        yield rows, batch.slots, verify
+        yield None, batch.slots, length, verify
         return
     for (length, verify), seqs in groups.items():
         starts = torch.tensor([s.start for s in seqs], device=device)
         rows = starts[:, None] + torch.arange(length, device=device)[None, :]
-        yield rows, torch.tensor([s.slot for s in seqs], device=device), verify
+        yield rows, torch.tensor([s.slot for s in seqs], device=device), length, verify
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None, length: int) -> torch.Tensor:
+    """A set's rows of t [T, ...] as [B, L, ...]: a view for the whole batch (rows None), else
+    gathered."""
+    return t.view(-1, length, *t.shape[1:]) if rows is None else t[rows]
+
+
+def _join(parts: list[tuple], n_rows: int) -> torch.Tensor:
+    """The sets' outputs [B, L, ...] as the batch's rows [T, ...]: the one set's output itself
+    when it is the whole batch, else each scattered to its rows."""
+    (rows, out), *_ = parts
+    if rows is None:
+        return out.reshape(n_rows, *out.shape[2:])
+    core = out.new_empty(n_rows, *out.shape[2:])
+    for rows, out in parts:
+        core[rows] = out
+    return core

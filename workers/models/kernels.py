@@ -100,14 +100,33 @@ if triton is not None:
                      mask=row_ok[:, None] & d_ok[None, :])
 
     @triton.jit
+    def _gates(a_ptr, b_ptr, decay, dt_bias):
+        """One row's gates of one value head, as the torch reference computes them: the decay
+        g = -exp(A_log) * softplus(a + dt_bias) in float32 (decay holds -exp(A_log)), and the
+        write strength beta = sigmoid(b) rounded to b's dtype."""
+        x = tl.load(a_ptr).to(tl.float32) + dt_bias
+        # torch's softplus: x above 20, else log1p(exp(x)); log1p stays accurate for tiny exp(x)
+        # through log(w) * u / (w - 1) (the interpreter has no libdevice log1p)
+        u = tl.exp(x)
+        w = 1.0 + u
+        log1p = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+        g = decay * tl.where(x > 20.0, x, log1p)
+        b = tl.load(b_ptr)
+        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+        return g, beta
+
+    @triton.jit
     def _gated_delta_kernel(
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, keep_ptr,
-            entries_ptr, length, scale,
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr,
+            slots_ptr, keep_ptr, offsets_ptr, length, scale, stride_q, stride_k, stride_v,
+            stride_a, stride_b,
             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
             BV: tl.constexpr, KEEP: tl.constexpr):
         """One program: BV value columns of one value head of one sequence, token by token in
-        float32. The state starts from the sequence's slot; with KEEP the state after each token
-        goes to its verify-pool entry and the slot is left alone, else the slot is updated."""
+        float32. Row r of q, k, v, a and b starts at r times its stride. The gates come from the
+        raw projections a and b (see _gates). The state starts from the sequence's slot; with KEEP
+        the state after token t goes to verify entry offsets[slot] + t and the slot is left
+        alone, else the slot is updated."""
         seq, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // (HV // HK)
         slot = tl.load(slots_ptr + seq)
@@ -115,22 +134,23 @@ if triton is not None:
         dv = vb * BV + tl.arange(0, BV)
         cell = (hv * DK + dk[:, None]) * DV + dv[None, :]
         state = tl.load(state_ptr + slot * HV * DK * DV + cell)
+        decay = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
         for t in range(length):
             r = seq * length + t
-            q = tl.load(q_ptr + (r * HK + hk) * DK + dk).to(tl.float32)
-            k = tl.load(k_ptr + (r * HK + hk) * DK + dk).to(tl.float32)
+            q = tl.load(q_ptr + r * stride_q + hk * DK + dk).to(tl.float32)
+            k = tl.load(k_ptr + r * stride_k + hk * DK + dk).to(tl.float32)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-            v = tl.load(v_ptr + (r * HV + hv) * DV + dv).to(tl.float32)
-            g = tl.load(g_ptr + r * HV + hv)
-            beta = tl.load(beta_ptr + r * HV + hv)
+            v = tl.load(v_ptr + r * stride_v + hv * DV + dv).to(tl.float32)
+            g, beta = _gates(a_ptr + r * stride_a + hv, b_ptr + r * stride_b + hv, decay, dt_bias)
             state = state * tl.exp(g)
             delta = (v - tl.sum(state * k[:, None], 0)) * beta
             state = state + k[:, None] * delta[None, :]
             out = tl.sum(state * q[:, None], 0)
             tl.store(out_ptr + (r * HV + hv) * DV + dv, out.to(out_ptr.dtype.element_ty))
             if KEEP:
-                entry = tl.load(entries_ptr + r)
+                entry = tl.load(offsets_ptr + slot) + t
                 tl.store(keep_ptr + entry * HV * DK * DV + cell, state)
         if not KEEP:
             tl.store(state_ptr + slot * HV * DK * DV + cell, state)
@@ -290,27 +310,36 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                     keep: torch.Tensor | None = None,
-                     entries: torch.Tensor | None = None) -> torch.Tensor:
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                     state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None = None,
+                     offsets: torch.Tensor | None = None) -> torch.Tensor:
     """The recurrence over B sequences of L rows: q, k [B, L, key_heads, dk] (not yet
-    normalised), v [B, L, value_heads, dv], g, beta [B, L, value_heads]. `state` is one layer's
-    slot states [slots, value_heads, dk, dv] (float32), read at `slots` [B]; without `keep`
-    they are updated in place, with it the state after row t goes to keep[entries[b, t]].
-    Returns the outputs [B, L, value_heads, dv] in v's dtype."""
+    normalised), v [B, L, value_heads, dv], and the gates' projections a, b [B, L, value_heads]
+    with the layer's A_log and dt_bias [value_heads]; all may be views of wider rows. `state` is
+    one layer's slot states [slots, value_heads, dk, dv] (float32), read at `slots` [B]; without
+    `keep` they are updated in place, with it the state after row t goes to
+    keep[offsets[slots[b]] + t] (a verify pool laid out per slot). Returns the outputs
+    [B, L, value_heads, dv] in v's dtype."""
     n_seq, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     assert dk == _pow2(dk) and dv == _pow2(dv) and hv % hk == 0, "power-of-two head dims"
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    out = torch.empty_like(v)
+    q, k, v, a, b = (_flat_rows(x) for x in (q, k, v, a, b))
+    out = torch.empty(n_seq, length, hv, dv, dtype=v.dtype, device=v.device)
     bv = min(dv, 32)
     _gated_delta_kernel[(n_seq, hv, dv // bv)](
-        q, k, v, g, beta, out, state, slots, keep if keep is not None else state,
-        entries if entries is not None else slots, length, dk ** -0.5,
+        q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
+        offsets if offsets is not None else slots, length, dk ** -0.5,
+        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, num_warps=4)
     return out
+
+
+def _flat_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, L, ...] as a [B * L, n] matrix of contiguous rows at one stride: a view where x's
+    layout allows it (rows of a wider projection), else a copy."""
+    rows = x.reshape(x.shape[0] * x.shape[1], -1)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
