@@ -1,7 +1,8 @@
 """The Triton kernels against the torch reference: paged attention (prefill, decode, verify,
 non-causal blocks, GQA groups that are not powers of two; keys in one range per program or split
-into several and combined), the K/V cache write, and the Gated DeltaNet recurrence with and
-without per-token verify states. On a GPU; on CPU only under TRITON_INTERPRET=1."""
+into several and combined), the K/V cache write, the Gated DeltaNet recurrence with its gates and
+its causal conv, with and without per-token verify states, and the fused norms. On a GPU; on CPU
+only under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.workers.models import kernels
-from metrale.workers.models.gated_deltanet import gated_delta_rule
+from metrale.workers.models.gated_deltanet import causal_conv1d_update, gated_delta_rule, gates
 
 if not kernels.available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -165,35 +166,84 @@ def test_write_kv_matches_index_put(dtype):
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
+def verify_offsets(slot_ids, n_slots, length, first):
+    """A verify pool's per-slot offsets where slot_ids[b] owns entries first + b * length .. +
+    length - 1, and those entries [B, L] (what pool.entries gives)."""
+    offsets = torch.zeros(n_slots, dtype=torch.long, device=DEVICE)
+    offsets[slot_ids] = first + length * torch.arange(len(slot_ids), device=DEVICE)
+    return offsets, offsets[slot_ids][:, None] + torch.arange(length, device=DEVICE)[None, :]
+
+
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("hk,hv,dim", [(2, 4, 32), (4, 4, 64)])
 def test_gated_delta_rule(keep, hk, hv, dim):
+    """The recurrence with its gates computed from the raw projections, reading q, k, v, a, b as
+    views of one wider row, as the layer passes them."""
     g_ = torch.Generator(DEVICE).manual_seed(hk + dim + keep)
-    b, length, slots = 3, 5, 6
+    n_seq, length, slots = 3, 5, 6
 
     def rand(*shape):
         return torch.randn(*shape, generator=g_, device=DEVICE)
-    q, k, v = rand(b, length, hk, dim), rand(b, length, hk, dim), rand(b, length, hv, dim)
-    g = -torch.rand(b, length, hv, generator=g_, device=DEVICE)
-    beta = torch.rand(b, length, hv, generator=g_, device=DEVICE)
+    widths = [hk * dim, hk * dim, hv * dim, hv, hv]
+    q, k, v, a, b = rand(n_seq, length, sum(widths) + 3)[..., 3:].split(widths, -1)
+    q, k, v = q.unflatten(-1, (hk, dim)), k.unflatten(-1, (hk, dim)), v.unflatten(-1, (hv, dim))
+    a.mul_(4)
+    a[0, 0, 0], a[1, 0, 1] = 30.0, -30.0    # softplus above its threshold, and of a tiny exp
+    a_log, dt_bias = rand(hv) * 0.5, rand(hv)
     state = rand(slots, hv, dim, dim) * 0.1
     slot_ids = torch.tensor([4, 0, 2], device=DEVICE)
+    g, beta = gates(a, b, a_log, dt_bias)
     rep = hv // hk
     ref_out, ref_final, ref_states = gated_delta_rule(
         q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta,
         state[slot_ids].clone(), keep_states=True)
     before = state.clone()
-    pool = torch.full((b * length + 2, hv, dim, dim), float("nan"), device=DEVICE) if keep else None
-    entries = (torch.arange(b * length, device=DEVICE).view(b, length) + 2) if keep else None
-    out = kernels.gated_delta_rule(q, k, v, g, beta, state, slot_ids, pool, entries)
+    offsets, _ = verify_offsets(slot_ids, slots, length, 2)
+    pool = (torch.full((n_seq * length + 2, hv, dim, dim), float("nan"), device=DEVICE) if keep
+            else None)
+    out = kernels.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, slot_ids, pool,
+                                   offsets if keep else None)
     assert rel_err(out, ref_out) < 1e-4
     if keep:
         assert torch.equal(state, before)
-        assert rel_err(pool[2:].view(b, length, hv, dim, dim), ref_states) < 1e-4
+        assert rel_err(pool[2:].view(n_seq, length, hv, dim, dim), ref_states) < 1e-4
     else:
         assert rel_err(state[slot_ids], ref_final) < 1e-4
         untouched = [s for s in range(slots) if s not in slot_ids.tolist()]
         assert torch.equal(state[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("length,verify", [(1, False), (2, False), (7, False), (37, False),
+                                           (2, True), (5, True)])
+def test_causal_conv1d_update(dtype, length, verify):
+    """Decode, prefill chunks shorter and longer than the window (and than one program's rows),
+    and verifies, of sequences in scattered slots; 300 channels (not a power of two, two
+    programs) read as a view of wider rows. The output and the windows written match the torch
+    reference."""
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g_ = torch.Generator(DEVICE).manual_seed(length + verify)
+    n_seq, slots, channels, taps = 3, 6, 300, 4
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g_, device=DEVICE).to(dtype)
+    mixed = rand(n_seq, length, channels + 20)[..., 5:5 + channels]
+    weight, window = rand(channels, 1, taps), rand(slots, channels, taps - 1)
+    slot_ids = torch.tensor([4, 0, 2], device=DEVICE)
+    offsets, entries = verify_offsets(slot_ids, slots, length, 1)
+    keep = (torch.full((n_seq * length + 1, channels, taps - 1), float("nan"), device=DEVICE,
+                       dtype=dtype) if verify else None)
+    ref_window, ref_keep = window.clone(), keep.clone() if verify else None
+    ref = causal_conv1d_update(mixed, weight, ref_window, slot_ids, ref_keep, entries)
+    out = kernels.causal_conv1d_update(mixed, weight, window, slot_ids, keep,
+                                       offsets if verify else None)
+    assert out.dtype == dtype and rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    if dtype != torch.float32:   # rounded where the reference rounds: equal but for rare ties
+        assert (out != ref).float().mean() < 1e-3
+    assert torch.equal(window, ref_window)   # each slot's window as the reference leaves it
+    if verify:
+        assert torch.equal(keep[1:], ref_keep[1:]) and keep[0].isnan().all()
 
 
 GRAPHS = [False, True] if DEVICE == "cuda" else [False]
@@ -249,6 +299,26 @@ def test_fused_norms_and_activation_match_the_modules(dtype, offset):
         gate_up = torch.randn(5, 2 * 80, generator=g, device=DEVICE).to(dtype)
         ref = F.silu(gate_up[:, :80]) * gate_up[:, 80:]
         assert rel_err(kernels.silu_mul(gate_up), ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gated_rms_norm_matches_the_module(dtype):
+    """Heads of 48 features (padded in the kernel), x and the gate read as views of wider rows."""
+    from metrale.workers.models.layers import GatedRMSNorm
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(3)
+    norm = GatedRMSNorm(48, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    x, gate = (torch.randn(5, 200, generator=g, device=DEVICE).to(dtype)[:, 8:152].view(5, 3, 48)
+               for _ in range(2))
+    with torch.inference_mode():
+        out, ref = norm.fused(x, gate), norm(x, gate)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    if dtype != torch.float32:   # rounded where the module rounds: equal but for rare ties
+        assert (out != ref).float().mean() < 1e-2
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention runs on CUDA only")

@@ -42,6 +42,34 @@ def gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     return out, state, (torch.stack(states, dim=1) if keep_states else None)
 
 
+def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """Per row and value head: the decay g = -exp(A_log) * softplus(a + dt_bias) in float32 and
+    the write strength beta = sigmoid(b) in b's dtype."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def causal_conv1d_update(mixed: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
+                         slots: torch.Tensor, keep: torch.Tensor | None = None,
+                         entries: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv then SiLU over B sequences of L rows, mixed [B, L, C], with weight
+    [C, 1, K]. Each sequence's inputs are its conv window, one layer's windows [slots, C, K-1]
+    read at `slots` [B] (kept in their dtype), then its rows. Without `keep` the slots' windows
+    become their last K-1 inputs; with it the window after row t goes to keep[entries[b, t]].
+    Returns [B, L, C] in mixed's dtype."""
+    kernel = weight.shape[-1]
+    extended = torch.cat((window[slots], mixed.transpose(1, 2).to(window.dtype)), -1)
+    if keep is not None:
+        # the conv window after row t is columns t+1 .. t+K-1 of the extended window
+        per_row = extended.unfold(-1, kernel - 1, 1)[:, :, 1:]      # [B, C, L, K-1]
+        keep[entries] = per_row.permute(0, 2, 1, 3)
+    else:
+        window[slots] = extended[..., -(kernel - 1):]
+    # depthwise causal conv: out[t] = sum_i w[:, i] * extended[:, t + i]
+    taps = extended.to(weight.dtype).unfold(-1, kernel, 1)   # [B, C, L, K]
+    conv = F.silu((taps * weight[:, 0][None, :, None, :]).sum(-1))
+    return conv.transpose(1, 2).to(mixed.dtype)
+
+
 class GatedDeltaNet(nn.Module):
     """Under tensor parallelism each rank holds its share of the key and value heads (a key head
     and the consecutive value heads it serves stay on one rank), with their conv channels."""
@@ -54,13 +82,13 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        self.kernel = cfg.linear_conv_kernel_dim
+        kernel = cfg.linear_conv_kernel_dim
         conv_dim = 2 * self.key_dim + self.value_dim
         # q | k | v channels, each split by heads
         qkv = (cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim)
         hidden, v_heads = cfg.hidden_size, cfg.linear_num_value_heads
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, self.kernel, groups=conv_dim, bias=False,
-                                padding=self.kernel - 1)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False,
+                                padding=kernel - 1)
         self.conv1d.shards = {"weight": Shard(0, qkv)}
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -81,40 +109,29 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed, z, b, a = (self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x),
                               self.in_proj_a(x))
-        z = z.reshape(n_rows, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = torch.empty(n_rows, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         pool.check_verify(batch.seqs)
-        for rows, slots, verify in _groups(batch, x.device):
-            out = self._mix(mixed[rows], g[rows], beta[rows], slots, pool, verify, batch.backend)
-            core[rows] = out.to(x.dtype)
-        out = self.norm(core, z).reshape(n_rows, self.value_dim)
-        return self.out_proj(out)
+        mix = self._mix_on_gpu if batch.backend == "triton" else self._mix
+        parts = []
+        for rows, slots, length, verify in _groups(batch, x.device):
+            out = mix(_take(mixed, rows, length), _take(a, rows, length), _take(b, rows, length),
+                      slots, pool, verify)
+            parts.append((rows, out.to(x.dtype)))
+        core = _join(parts, n_rows)
+        z = z.reshape(n_rows, self.num_v_heads, self.head_v_dim)
+        out = self.norm.fused(core, z) if batch.backend == "triton" else self.norm(core, z)
+        return self.out_proj(out.reshape(n_rows, self.value_dim))
 
-    def _mix(self, mixed, g, beta, slots, pool, verify: bool, backend: str):
-        """mixed: [B, L, conv_dim] for B sequences of L rows each. Updates their slots in place, or
-        with `verify` writes the state after each row into the slots' verify-pool entries 0..L-1."""
-        n_seq, length, _ = mixed.shape
-        layer = self.pool_index
-        window = torch.cat((pool.conv[layer, slots], mixed.transpose(1, 2).to(pool.conv.dtype)), -1)
-        if verify:
-            entries = pool.entries(slots, length)
-            # the conv window after row t is columns t+1 .. t+K-1 of the extended window
-            per_row = window.unfold(-1, self.kernel - 1, 1)[:, :, 1:]      # [B, C, L, K-1]
-            pool.verify_conv[layer, entries] = per_row.permute(0, 2, 1, 3)
-        else:
-            pool.conv[layer, slots] = window[..., -(self.kernel - 1):]
-        # depthwise causal conv: out[t] = sum_i w[:, i] * window[:, t + i]
-        taps = window.to(self.conv1d.weight.dtype).unfold(-1, self.kernel, 1)   # [B, C, L, K]
-        conv = F.silu((taps * self.conv1d.weight[:, 0][None, :, None, :]).sum(-1))
-        q, k, v = torch.split(conv.transpose(1, 2).to(mixed.dtype),
-                              [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(n_seq, length, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(n_seq, length, self.num_v_heads, self.head_v_dim)
-        if backend == "triton":
-            return self._mix_on_gpu(q, k, v, g, beta, slots, pool, entries if verify else None)
+    def _mix(self, mixed, a, b, slots, pool, verify: bool):
+        """The torch reference over B sequences of L rows each: mixed [B, L, conv_dim] and the
+        gates' projections a, b [B, L, value_heads]. Updates their slots in place, or with
+        `verify` writes the state after each row into the slots' verify-pool entries 0..L-1.
+        Returns [B, L, value_heads, dv] in float32."""
+        layer, length = self.pool_index, mixed.shape[1]
+        entries = pool.entries(slots, length) if verify else None
+        conv = causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
+                                    pool.verify_conv[layer] if verify else None, entries)
+        q, k, v = self._heads(conv)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
         if self.num_v_heads != self.num_k_heads:  # each key head serves consecutive value heads
             rep = self.num_v_heads // self.num_k_heads
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
@@ -126,23 +143,35 @@ class GatedDeltaNet(nn.Module):
             pool.state[layer, slots] = state
         return out
 
-    def _mix_on_gpu(self, q, k, v, g, beta, slots, pool, entries):
-        """The recurrence in Triton, reading and writing the pool in place; long chunks without a
-        verify go to flash-linear-attention's chunked kernel when it is installed."""
-        layer, n_seq, length = self.pool_index, q.shape[0], q.shape[1]
-        chunk = _fla_chunk() if entries is None and length >= FLA_CHUNK_MIN_ROWS else None
+    def _mix_on_gpu(self, mixed, a, b, slots, pool, verify: bool):
+        """The same in Triton, reading and writing the pool in place: the conv, then the
+        recurrence with its gates; long chunks without a verify go to flash-linear-attention's
+        chunked kernel when it is installed. Returns [B, L, value_heads, dv] in mixed's dtype."""
+        layer, length = self.pool_index, mixed.shape[1]
+        offsets = pool.offsets if verify else None
+        conv = kernels.causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
+                                            pool.verify_conv[layer] if verify else None, offsets)
+        q, k, v = self._heads(conv)
+        chunk = _fla_chunk() if not verify and length >= FLA_CHUNK_MIN_ROWS else None
         if chunk is None:
-            keep = pool.verify_state[layer] if entries is not None else None
-            return kernels.gated_delta_rule(q, k, v, g.view(n_seq, length, -1),
-                                            beta.view(n_seq, length, -1), pool.state[layer],
-                                            slots, keep, entries)
+            return kernels.gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias,
+                                            pool.state[layer], slots,
+                                            pool.verify_state[layer] if verify else None, offsets)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
         rep = self.num_v_heads // self.num_k_heads
-        out, state = chunk(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v,
-                           g.view(n_seq, length, -1).float(), beta.view(n_seq, length, -1).float(),
-                           scale=self.head_k_dim ** -0.5, initial_state=pool.state[layer, slots],
-                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out, state = chunk(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g,
+                           beta.float(), scale=self.head_k_dim ** -0.5,
+                           initial_state=pool.state[layer, slots], output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
         pool.state[layer, slots] = state
         return out
+
+    def _heads(self, conv: torch.Tensor):
+        """q, k [B, L, key_heads, dk] and v [B, L, value_heads, dv]: views of the conv output."""
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
 
 def _fla_chunk():
@@ -158,17 +187,36 @@ FLA_CHUNK_MIN_ROWS = 64   # shorter chunks (decode, verify, short prefill) run t
 
 
 def _groups(batch: ForwardBatch, device):
-    """Row indices [B, L], slots [B] and the verify flag of each set of sequences that share a
-    chunk length and a verify flag, so each set runs as one batched recurrence."""
+    """Row indices [B, L], slots [B], chunk length L and verify flag of each set of sequences that
+    share a chunk length and a verify flag, so each set runs as one batched recurrence. The row
+    indices are None for a set that is the whole batch in order (decode, verify): its rows are
+    views of the batch's rows, with nothing to gather or scatter."""
     groups: dict[tuple[int, bool], list] = {}
     for s in batch.seqs:
         groups.setdefault((s.length, s.verify), []).append(s)
     if len(groups) == 1 and batch.slots is not None:   # decode or verify: from device tensors
         (length, verify), = groups
-        rows = torch.arange(len(batch.seqs) * length, device=device).view(-1, length)
-        yield rows, batch.slots, verify
+        yield None, batch.slots, length, verify
         return
     for (length, verify), seqs in groups.items():
         starts = torch.tensor([s.start for s in seqs], device=device)
         rows = starts[:, None] + torch.arange(length, device=device)[None, :]
-        yield rows, torch.tensor([s.slot for s in seqs], device=device), verify
+        yield rows, torch.tensor([s.slot for s in seqs], device=device), length, verify
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None, length: int) -> torch.Tensor:
+    """A set's rows of t [T, ...] as [B, L, ...]: a view for the whole batch (rows None), else
+    gathered."""
+    return t.view(-1, length, *t.shape[1:]) if rows is None else t[rows]
+
+
+def _join(parts: list[tuple], n_rows: int) -> torch.Tensor:
+    """The sets' outputs [B, L, ...] as the batch's rows [T, ...]: the one set's output itself
+    when it is the whole batch, else each scattered to its rows."""
+    (rows, out), *_ = parts
+    if rows is None:
+        return out.reshape(n_rows, *out.shape[2:])
+    core = out.new_empty(n_rows, *out.shape[2:])
+    for rows, out in parts:
+        core[rows] = out
+    return core

@@ -1,7 +1,8 @@
-"""Triton kernels for the GPU: paged attention over the block tables, and the Gated DeltaNet
-recurrence that reads and writes the SSM slot pool in place (every per-token state for a verify).
+"""Triton kernels for the GPU: paged attention over the block tables; the Gated DeltaNet
+recurrence and causal conv, which read and write the SSM slot pool in place (every per-token
+state for a verify); and fused norms and activations.
 
-Both read only device tensors (no host values per sequence), so a step built from them can be
+All read only device tensors (no host values per sequence), so a step built from them can be
 captured in a CUDA graph. `available()` says whether Triton imports; the torch code in layers.py
 and gated_deltanet.py is the reference they are tested against.
 """
@@ -154,14 +155,33 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _gates(a_ptr, b_ptr, decay, dt_bias):
+        """One row's gates of one value head, as the torch reference computes them: the decay
+        g = -exp(A_log) * softplus(a + dt_bias) in float32 (decay holds -exp(A_log)), and the
+        write strength beta = sigmoid(b) rounded to b's dtype."""
+        x = tl.load(a_ptr).to(tl.float32) + dt_bias
+        # torch's softplus: x above 20, else log1p(exp(x)); log1p stays accurate for tiny exp(x)
+        # through log(w) * u / (w - 1) (the interpreter has no libdevice log1p)
+        u = tl.exp(x)
+        w = 1.0 + u
+        log1p = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+        g = decay * tl.where(x > 20.0, x, log1p)
+        b = tl.load(b_ptr)
+        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+        return g, beta
+
+    @triton.jit
     def _gated_delta_kernel(
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slots_ptr, keep_ptr,
-            entries_ptr, length, scale,
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr,
+            slots_ptr, keep_ptr, offsets_ptr, length, scale, stride_q, stride_k, stride_v,
+            stride_a, stride_b,
             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
             BV: tl.constexpr, KEEP: tl.constexpr):
         """One program: BV value columns of one value head of one sequence, token by token in
-        float32. The state starts from the sequence's slot; with KEEP the state after each token
-        goes to its verify-pool entry and the slot is left alone, else the slot is updated."""
+        float32. Row r of q, k, v, a and b starts at r times its stride. The gates come from the
+        raw projections a and b (see _gates). The state starts from the sequence's slot; with KEEP
+        the state after token t goes to verify entry offsets[slot] + t and the slot is left
+        alone, else the slot is updated."""
         seq, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // (HV // HK)
         slot = tl.load(slots_ptr + seq)
@@ -169,22 +189,23 @@ if triton is not None:
         dv = vb * BV + tl.arange(0, BV)
         cell = (hv * DK + dk[:, None]) * DV + dv[None, :]
         state = tl.load(state_ptr + slot * HV * DK * DV + cell)
+        decay = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
         for t in range(length):
             r = seq * length + t
-            q = tl.load(q_ptr + (r * HK + hk) * DK + dk).to(tl.float32)
-            k = tl.load(k_ptr + (r * HK + hk) * DK + dk).to(tl.float32)
+            q = tl.load(q_ptr + r * stride_q + hk * DK + dk).to(tl.float32)
+            k = tl.load(k_ptr + r * stride_k + hk * DK + dk).to(tl.float32)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-            v = tl.load(v_ptr + (r * HV + hv) * DV + dv).to(tl.float32)
-            g = tl.load(g_ptr + r * HV + hv)
-            beta = tl.load(beta_ptr + r * HV + hv)
+            v = tl.load(v_ptr + r * stride_v + hv * DV + dv).to(tl.float32)
+            g, beta = _gates(a_ptr + r * stride_a + hv, b_ptr + r * stride_b + hv, decay, dt_bias)
             state = state * tl.exp(g)
             delta = (v - tl.sum(state * k[:, None], 0)) * beta
             state = state + k[:, None] * delta[None, :]
             out = tl.sum(state * q[:, None], 0)
             tl.store(out_ptr + (r * HV + hv) * DV + dv, out.to(out_ptr.dtype.element_ty))
             if KEEP:
-                entry = tl.load(entries_ptr + r)
+                entry = tl.load(offsets_ptr + slot) + t
                 tl.store(keep_ptr + entry * HV * DK * DV + cell, state)
         if not KEEP:
             tl.store(state_ptr + slot * HV * DK * DV + cell, state)
@@ -249,6 +270,75 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (act * up).to(dtype), mask=ok)
+
+    @triton.jit
+    def _conv_input(window_ptr, rows_ptr, stride_t, pos, c, ok, KM1: tl.constexpr):
+        """Channels c of input `pos` of one sequence's conv inputs: its K-1 window inputs, then
+        its rows (at stride_t), in the window's dtype."""
+        old = tl.load(window_ptr + c * KM1 + pos, mask=ok & (pos < KM1), other=0.0)
+        new = tl.load(rows_ptr + (pos - KM1) * stride_t + c, mask=ok & (pos >= KM1), other=0.0)
+        return tl.where(pos < KM1, old, new.to(window_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _causal_conv1d_kernel(x_ptr, w_ptr, window_ptr, slots_ptr, keep_ptr, offsets_ptr,
+                              out_ptr, length, channels, stride_xb, stride_xt,
+                              K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                              KEEP: tl.constexpr):
+        """One program: BLOCK channels of ROWS rows of one sequence, row by row. Row t's output
+        is silu(sum_i w[i] * input[t + i]), the inputs being the sequence's window then its rows;
+        as in the torch reference, the taps and each product are rounded to the weight's dtype,
+        and so are the sum and the SiLU. With KEEP the window after row t (inputs t+1 .. t+K-1)
+        goes to verify entry offsets[slot] + t and the slot is left alone; else the first
+        program of the rows (the only one that reads the window, as ROWS >= K-1) writes the
+        slot's new window, the last K-1 inputs, after its reads: each channel is read and
+        written by one thread."""
+        seq, block, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        c = block * BLOCK + tl.arange(0, BLOCK)
+        ok = c < channels
+        slot = tl.load(slots_ptr + seq)
+        window = window_ptr + slot * channels * (K - 1)
+        rows = x_ptr + seq * stride_xb
+        w_dtype = w_ptr.dtype.element_ty
+        for t in range(row_block * ROWS, tl.minimum(row_block * ROWS + ROWS, length)):
+            acc = tl.zeros([BLOCK], tl.float32)
+            for i in tl.static_range(K):
+                x = _conv_input(window, rows, stride_xt, t + i, c, ok, K - 1).to(w_dtype)
+                w = tl.load(w_ptr + c * K + i, mask=ok, other=0.0)
+                acc += (x.to(tl.float32) * w.to(tl.float32)).to(w_dtype).to(tl.float32)
+            acc = acc.to(w_dtype).to(tl.float32)
+            y = (acc / (1.0 + tl.exp(-acc))).to(w_dtype)
+            tl.store(out_ptr + (seq * length + t) * channels + c,
+                     y.to(out_ptr.dtype.element_ty), mask=ok)
+            if KEEP:
+                entry = tl.load(offsets_ptr + slot) + t
+                for j in tl.static_range(K - 1):
+                    tl.store(keep_ptr + (entry * channels + c) * (K - 1) + j,
+                             _conv_input(window, rows, stride_xt, t + 1 + j, c, ok, K - 1),
+                             mask=ok)
+        if not KEEP:
+            if row_block == 0:
+                for j in tl.static_range(K - 1):   # reads input length + j > j before writing j
+                    tl.store(window + c * (K - 1) + j,
+                             _conv_input(window, rows, stride_xt, length + j, c, ok, K - 1),
+                             mask=ok)
+
+    @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, heads, stride_xt, stride_gt,
+                               eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+        """One head of one row: RMSNorm rounded to x's dtype, times the weight (rounded again),
+        times SiLU(gate) in float32, as GatedRMSNorm rounds."""
+        row, head = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, D_PAD)
+        ok = d < HEAD_DIM
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_xt + head * HEAD_DIM + d, mask=ok, other=0.0)
+        x = x.to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x) / HEAD_DIM + eps)).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + row * stride_gt + head * HEAD_DIM + d, mask=ok, other=0.0)
+        gate = gate.to(tl.float32)
+        y = (w * normed).to(dtype).to(tl.float32) * (gate / (1.0 + tl.exp(-gate)))
+        tl.store(out_ptr + (row * heads + head) * HEAD_DIM + d, y.to(dtype), mask=ok)
 
 
 # Split-KV: a grid smaller than PROGRAMS_PER_SM programs per SM splits each program's keys into
@@ -328,27 +418,36 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         num_warps=4)
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                     keep: torch.Tensor | None = None,
-                     entries: torch.Tensor | None = None) -> torch.Tensor:
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                     b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                     state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None = None,
+                     offsets: torch.Tensor | None = None) -> torch.Tensor:
     """The recurrence over B sequences of L rows: q, k [B, L, key_heads, dk] (not yet
-    normalised), v [B, L, value_heads, dv], g, beta [B, L, value_heads]. `state` is one layer's
-    slot states [slots, value_heads, dk, dv] (float32), read at `slots` [B]; without `keep`
-    they are updated in place, with it the state after row t goes to keep[entries[b, t]].
-    Returns the outputs [B, L, value_heads, dv] in v's dtype."""
+    normalised), v [B, L, value_heads, dv], and the gates' projections a, b [B, L, value_heads]
+    with the layer's A_log and dt_bias [value_heads]; all may be views of wider rows. `state` is
+    one layer's slot states [slots, value_heads, dk, dv] (float32), read at `slots` [B]; without
+    `keep` they are updated in place, with it the state after row t goes to
+    keep[offsets[slots[b]] + t] (a verify pool laid out per slot). Returns the outputs
+    [B, L, value_heads, dv] in v's dtype."""
     n_seq, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     assert dk == _pow2(dk) and dv == _pow2(dv) and hv % hk == 0, "power-of-two head dims"
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    out = torch.empty_like(v)
+    q, k, v, a, b = (_flat_rows(x) for x in (q, k, v, a, b))
+    out = torch.empty(n_seq, length, hv, dv, dtype=v.dtype, device=v.device)
     bv = min(dv, 32)
     _gated_delta_kernel[(n_seq, hv, dv // bv)](
-        q, k, v, g, beta, out, state, slots, keep if keep is not None else state,
-        entries if entries is not None else slots, length, dk ** -0.5,
+        q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
+        offsets if offsets is not None else slots, length, dk ** -0.5,
+        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
         HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, num_warps=4)
     return out
+
+
+def _flat_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, L, ...] as a [B * L, n] matrix of contiguous rows at one stride: a view where x's
+    layout allows it (rows of a wider projection), else a copy."""
+    rows = x.reshape(x.shape[0] * x.shape[1], -1)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
@@ -385,4 +484,44 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](x, out, n, BLOCK=1024, num_warps=4)
+    return out
+
+
+CONV_BLOCK, CONV_ROWS = 256, 16   # channels and rows per conv program
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
+                         slots: torch.Tensor, keep: torch.Tensor | None = None,
+                         offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv then SiLU over B sequences of L rows, x [B, L, C] (rows may be
+    strided, channels contiguous), with weight [C, 1, K]. Each sequence's inputs are its conv
+    window, one layer's windows [slots, C, K-1] read at `slots` [B], then its rows. Without
+    `keep` the slots' windows become their last K-1 inputs; with it the window after row t goes
+    to keep[offsets[slots[b]] + t] and the slots are left alone. Returns [B, L, C] in x's dtype."""
+    n_seq, length, channels = x.shape
+    taps = weight.shape[-1]
+    assert x.stride(2) == 1 and weight.is_contiguous() and window.is_contiguous()
+    assert (keep is None or keep.is_contiguous()) and taps - 1 <= CONV_ROWS
+    out = torch.empty(n_seq, length, channels, dtype=x.dtype, device=x.device)
+    grid = (n_seq, triton.cdiv(channels, CONV_BLOCK), triton.cdiv(length, CONV_ROWS))
+    _causal_conv1d_kernel[grid](
+        x, weight, window, slots, keep if keep is not None else window,
+        offsets if offsets is not None else slots, out, length, channels, x.stride(0),
+        x.stride(1), K=taps, BLOCK=CONV_BLOCK, ROWS=CONV_ROWS, KEEP=keep is not None,
+        num_warps=4)
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """GatedRMSNorm: RMSNorm over each head of x [T, heads, D] times the weight, times
+    SiLU(gate) [T, heads, D]; rows may be strided, each row's heads contiguous. Returns a
+    contiguous [T, heads, D]."""
+    rows, heads, dim = x.shape
+    for t in (x, gate):
+        assert t.stride(2) == 1 and t.stride(1) == dim
+    out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
+    _gated_rms_norm_kernel[(rows, heads)](x, gate, weight, out, heads, x.stride(0),
+                                          gate.stride(0), eps, HEAD_DIM=dim, D_PAD=_pow2(dim),
+                                          num_warps=1)
     return out

@@ -44,6 +44,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def fused(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The same in one Triton kernel, for x and gate [T, heads, dim]."""
+        return kernels.gated_rms_norm(x, gate, self.weight, self.eps)
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
