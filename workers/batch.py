@@ -13,7 +13,7 @@ class SeqRows:
     start: int                # first row in the flat batch
     length: int
     context_len: int          # tokens of this sequence already in the caches
-    block_table: torch.Tensor  # [num_blocks] long, on the device
+    block_table: torch.Tensor  # [num_blocks] on the device (long; int32 rows for the kernels)
     slot: int                 # SSM slot (-1 for models without linear attention)
     verify: bool = False      # keep the state after every row in the slot's verify pool instead
 
@@ -51,25 +51,32 @@ class ForwardBatch:
     @classmethod
     def build(cls, chunks: list[tuple], block_size: int, device: torch.device,
               backend: str = "torch") -> "ForwardBatch":
-        """`chunks[i] = (token_ids, context_len, block_table, slot[, verify])` per sequence."""
-        ids, pos, slot_mapping, seqs = [], [], [], []
+        """`chunks[i] = (token_ids, context_len, block_table, slot[, verify])` per sequence. The
+        rows' ids, positions and slots cross to the device in one copy; for the kernels the
+        per-sequence facts in two more, and each sequence's block table is a row of theirs."""
+        ids, pos, slot_mapping, spans = [], [], [], []
         for tokens, ctx, table, slot, *verify in chunks:
             p = range(ctx, ctx + len(tokens))
             ids.extend(tokens)
             pos.extend(p)
             slot_mapping.extend(table[i // block_size] * block_size + i % block_size for i in p)
-            seqs.append(SeqRows(len(ids) - len(tokens), len(tokens), ctx,
-                                torch.tensor(table, dtype=torch.long, device=device), slot,
-                                bool(verify and verify[0])))
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        batch = cls(as_long(ids), as_long(pos), as_long(slot_mapping), seqs, block_size,
-                    backend=backend)
-        if backend != "torch":
+            spans.append((len(ids) - len(tokens), len(tokens), ctx, slot, bool(verify and verify[0])))
+        input_ids, positions, slot_mapping = torch.tensor(
+            [ids, pos, slot_mapping], dtype=torch.long).to(device).unbind()
+        if backend == "torch":
+            tables = [torch.tensor(c[2], dtype=torch.long, device=device) for c in chunks]
+        else:
             width = max(len(c[2]) for c in chunks)
-            tables = [list(c[2]) + [0] * (width - len(c[2])) for c in chunks]
+            block_tables = torch.tensor([list(c[2]) + [0] * (width - len(c[2])) for c in chunks],
+                                        dtype=torch.int32).to(device)
+            tables = [row[:len(c[2])] for row, c in zip(block_tables, chunks)]
+        seqs = [SeqRows(start, n, ctx, table, slot, verify)
+                for (start, n, ctx, slot, verify), table in zip(spans, tables)]
+        batch = cls(input_ids, positions, slot_mapping, seqs, block_size, backend=backend)
+        if backend != "torch":
             meta = torch.tensor([[s.start for s in seqs], [s.length for s in seqs],
                                  [s.context_len for s in seqs]], dtype=torch.int32).to(device)
             batch.q_start, batch.q_len, batch.context_lens = meta.unbind()   # contiguous rows
             batch.slots = torch.tensor([s.slot for s in seqs], dtype=torch.long).to(device)
-            batch.block_tables = torch.tensor(tables, dtype=torch.int32).to(device)
+            batch.block_tables = block_tables
         return batch
