@@ -49,8 +49,12 @@ class Lane:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     steps: int = 0
     state: str = UP       # up, reviving (its worker restarts), or down for good
-    busy: bool = False    # a step is in flight
     restarts: int = 0
+    in_flight: set = field(default_factory=set)   # its steps' tasks, sent and not yet taken
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight)
 
     @property
     def load(self) -> int:
@@ -121,9 +125,10 @@ class ReplicaEngine:
         self._tasks.append(asyncio.create_task(self._watch()))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = self._tasks + [t for lane in self.lanes for t in lane.in_flight]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -175,36 +180,63 @@ class ReplicaEngine:
 
     # -- the step loop of one worker --------------------------------------------------------
 
+    def steps_in_flight(self, lane: Lane) -> int:
+        """Plans a worker holds at once. On a CPU a step of half the sequences costs about half a
+        step of all, so two halves alternate and the worker never waits for the next plan; on a
+        GPU a smaller batch costs almost as much as a full one, so one plan at a time."""
+        configured = self.config.steps_in_flight
+        return configured or (1 if lane.executor.capacity.on_gpu else 2)
+
     async def _serve(self, lane: Lane) -> None:
+        """Keeps the worker's queue full: up to `steps_in_flight` plans of disjoint sequences are
+        sent before the first result is back. A worker runs its plans one after another, in the
+        order sent, so a block or slot freed while a step flies is rewritten only after it."""
+        depth = self.steps_in_flight(lane)
         while True:
             await lane.wake.wait()
-            plan = lane.scheduler.schedule() if lane.state == UP and lane.scheduler.has_work \
-                else None
-            if not plan or not plan.work:
-                lane.wake.clear()
-                continue
-            lane.busy = True
-            try:
-                result = await lane.executor.execute(plan)
-            except WorkerLost as e:
+            lane.wake.clear()
+            while lane.state == UP and len(lane.in_flight) < depth:
+                scheduler = lane.scheduler
+                if not scheduler.has_idle_work:
+                    break
+                plan = scheduler.schedule(scheduler.share(depth))
+                if not plan.work:
+                    break
+                lane.in_flight.add(asyncio.create_task(self._step(lane, scheduler, plan)))
+
+    async def _step(self, lane: Lane, scheduler: Scheduler, plan) -> None:
+        """Executes one plan and streams its tokens; then the lane plans again. A result that
+        arrives after the lane's requests moved elsewhere (its worker was lost) is dropped."""
+        try:
+            await self._execute(lane, scheduler, plan)
+        finally:
+            lane.in_flight.discard(asyncio.current_task())
+            lane.wake.set()
+
+    async def _execute(self, lane: Lane, scheduler: Scheduler, plan) -> None:
+        try:
+            result = await lane.executor.execute(plan)
+        except WorkerLost as e:
+            if lane.scheduler is scheduler:
                 self._lost(lane, str(e))
+            return
+        except Exception as e:  # its requests end with the error; other workers go on
+            log.exception("worker step failed")
+            scheduler.forget(plan)
+            self._fail_lane(lane, f"worker failed: {e}", "internal")
+            return
+        if lane.scheduler is not scheduler:
+            return
+        lane.steps += 1
+        for seq in scheduler.update(plan, result):
+            entry = self.streams.get(seq.request_id)
+            if entry is None:
                 continue
-            except Exception as e:  # its requests end with the error; other workers go on
-                log.exception("worker step failed")
-                self._fail_lane(lane, f"worker failed: {e}", "internal")
-                continue
-            finally:
-                lane.busy = False
-            lane.steps += 1
-            for seq in lane.scheduler.update(plan, result):
-                entry = self.streams.get(seq.request_id)
-                if entry is None:
-                    continue
-                stream = entry[1]
-                stream.emit(seq)
-                if stream.done:
-                    lane.scheduler.pop_finished(seq.request_id)
-                    del self.streams[seq.request_id]
+            stream = entry[1]
+            stream.emit(seq)
+            if stream.done:
+                scheduler.pop_finished(seq.request_id)
+                del self.streams[seq.request_id]
 
     def _fail_lane(self, lane: Lane, message: str, kind: str) -> None:
         for request_id, (owner, stream) in list(self.streams.items()):

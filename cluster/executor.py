@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from metrale.cluster.plan import StepPlan, StepResult, WorkerCapacity
@@ -27,15 +28,18 @@ class WorkerExecutor(Protocol):
 
 
 class LocalExecutor:
-    """A worker in this process. Steps run on a thread, so the event loop keeps streaming and
-    admitting while the model computes, and two workers' steps overlap."""
+    """A worker in this process. Steps run on the worker's own thread, so the event loop keeps
+    streaming and admitting while the model computes, two workers' steps overlap, and one
+    worker's plans run one at a time in the order they were sent (as an actor runs them)."""
 
     def __init__(self, worker):
         self.worker = worker
         self.capacity: WorkerCapacity = worker.capacity
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="metrale-worker")
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        return await asyncio.to_thread(self.worker.execute, plan)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, self.worker.execute, plan)
 
     async def ping(self) -> None:
         pass

@@ -67,6 +67,7 @@ class WorkerCapacity:
     propose_batch_max: int = 64
     self_speculative: bool = False
     prefix_sharing: bool = True            # False when the proposer keeps per-row state
+    on_gpu: bool = False
 
     @property
     def has_proposer(self) -> bool:

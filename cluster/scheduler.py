@@ -34,6 +34,7 @@ class SchedulerConfig:
     prefix_caching: bool = True         # only used for models without linear-attention layers
     num_drafts: int = 0                 # drafts per speculative round (0: no speculation)
     adaptive_drafts: bool = True        # num_drafts is the most; each round's k is measured best
+    steps_in_flight: int | None = None  # per worker; None: 2 on a CPU worker, 1 on a GPU worker
 
 
 class Scheduler:
@@ -54,6 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[str, list[Sequence]] = {}
+        self.in_flight: set[int] = set()   # ids of sequences in a plan whose result is pending
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
@@ -101,6 +103,7 @@ class Scheduler:
                     seq.num_preemptions += 1
         self.by_request.clear()
         self.waiting.clear()
+        self.in_flight.clear()
         return requests
 
     def adopt(self, request_id: str, seqs: list[Sequence]) -> None:
@@ -119,14 +122,31 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_idle_work(self) -> bool:
+        """Whether a plan could hold anything: a waiting sequence, or a running one not in flight."""
+        return bool(self.waiting) or any(s.seq_id not in self.in_flight for s in self.running)
+
+    def share(self, steps_in_flight: int) -> int | None:
+        """Sequences per plan when `steps_in_flight` plans alternate on the worker: an equal part
+        of the sequences it runs or will (None: no limit)."""
+        if steps_in_flight == 1:
+            return None
+        active = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(1, -(-active // steps_in_flight))
+
     # -- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, max_seqs: int | None = None) -> StepPlan:
+        """The next step for sequences not in flight (at most `max_seqs` of them); they are in
+        flight until `update` takes the plan's result."""
         budget = self.config.max_num_batched_tokens
+        room = max_seqs or self.config.max_num_seqs
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
-        decoding = sum(s.num_pending == 1 for s in self.running)
+        idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
+        decoding = sum(s.num_pending == 1 for s in idle)
         k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
-        for seq in list(self.running):
+        for seq in idle:
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:   # preempted earlier in this loop
@@ -134,7 +154,8 @@ class Scheduler:
             n = min(seq.num_pending, budget)
             k = self._drafts_for(seq, k_round, budget - 1) if seq.num_pending == 1 else 0
             while not self.blocks.can_append(seq.block_table, seq.num_computed + n + k):
-                victim = self.running[-1]
+                # the latest sequence not in flight: a step may still write a flying one's blocks
+                victim = next(s for s in reversed(self.running) if s.seq_id not in self.in_flight)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -143,7 +164,8 @@ class Scheduler:
             self.blocks.append(seq.block_table, seq.num_computed + n + k)
             chosen.append((seq, n, k))
             budget -= n + k
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(chosen) < room
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             tokens = seq.tokens
             cached = len(self.blocks.cached_prefix(tokens)) * self.capacity.block_size
@@ -160,10 +182,12 @@ class Scheduler:
         if not self.capacity.ragged_drafts:   # one k for the whole round: the smallest
             k_min = min((k for _, n, k in chosen if k), default=0)
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
+        self.in_flight.update(seq.seq_id for seq, _, _ in chosen)
         return StepPlan([self._work(seq, n, k) for seq, n, k in chosen])
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Commits a step's outcome; returns the sequences that produced tokens."""
+        self.forget(plan)
         by_id = {s.seq_id: s for s in self.running}
         outcomes = {o.seq_id: o for o in result.outcomes}
         touched = []
@@ -189,6 +213,10 @@ class Scheduler:
                 self._append_token(seq, token)
             touched.append(seq)
         return touched
+
+    def forget(self, plan: StepPlan) -> None:
+        """The plan's sequences are no longer in flight (its result is in, or will never come)."""
+        self.in_flight.difference_update(w.seq_id for w in plan.work)
 
     # -- internals --------------------------------------------------------------------------
 

@@ -76,6 +76,10 @@ class MetraleConfig(BaseModel):
                                       "default: the model's, capped by the KV cache.")
     prefix_caching: bool = Field(True, description="Share KV blocks of common prompt prefixes "
                                  "(models without linear-attention layers or per-row drafters).")
+    steps_in_flight: int | None = Field(None, ge=1, le=4, description="Plans a worker holds at "
+                                        "once, each for its share of the running sequences, so it "
+                                        "never waits for the next; default: 2 on a CPU worker, 1 "
+                                        "on a GPU worker.")
 
     # -- the cluster
     replicas: int = Field(1, ge=1, description="Model replicas (data parallel); each has its own "
@@ -180,7 +184,8 @@ class MetraleConfig(BaseModel):
     def scheduler_config(self) -> SchedulerConfig:
         """Drafts per round are filled in from the workers' proposer (ReplicaEngine.build)."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                               self.prefix_caching, adaptive_drafts=self.adaptive_drafts)
+                               self.prefix_caching, adaptive_drafts=self.adaptive_drafts,
+                               steps_in_flight=self.steps_in_flight)
 
     def replica_spec(self, cluster_gpus: float) -> ReplicaSpec:
         gpus = self.gpus_per_worker if self.gpus_per_worker is not None else float(cluster_gpus > 0)

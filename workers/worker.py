@@ -114,7 +114,7 @@ class Worker:
             proposer=p.method if p else "none", slot_capacity=capacity if p else (0,) * slots,
             fixed_drafts=p.fixed_drafts if p else None,
             propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
-            prefix_sharing=not (p and p.keeps_row_state))
+            prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda")
         self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
         self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
         self._grammar_compiler = None
