@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream", action="store_true", help="stream the HTTP responses (SSE)")
     p.add_argument("--repeat", type=int, default=2,
                    help="runs of each measurement; the best counts (a shared machine is noisy)")
+    p.add_argument("--steps-in-flight", type=int, default=None,
+                   help="plans the serving worker holds at once (default: the config's, 2 on CPU)")
     p.add_argument("--cpus", type=int, default=max(1, os.cpu_count() - 1),
                    help="torch threads of the worker in both runs (default: all cores but one, "
                         "which the serving processes need)")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     del llm
 
     config = MetraleConfig(model=args.model, device="cpu", cpus_per_worker=args.cpus,
-                           port=args.port)
+                           port=args.port, steps_in_flight=args.steps_in_flight)
     ray.init(namespace=NAMESPACE, num_cpus=max(args.cpus, os.cpu_count()), log_to_driver=False,
              include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"model {args.model}; {args.rounds} requests per client of {args.max_tokens} tokens, "
           f"greedy; HTTP {'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
-          f"thread(s)")
+          f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}")
     print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}")
     for c in args.concurrency:
         print(f"{c:>11} {local[c]:>17.1f} {http[c]:>11.1f} {http[c] / local[c]:>6.3f}")
