@@ -89,7 +89,7 @@ def run_attention(dtype, heads, kv_heads, dim, lengths, contexts, causal, splits
 
 def assert_close(out, ref, dtype):
     assert not out.isnan().any()
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 and DEVICE == "cpu" else 2e-2)
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)   # float32: IEEE dots
 
 
 @pytest.mark.parametrize("splits", [1, None])
