@@ -1,11 +1,15 @@
 """The serving-overhead benchmark: completion tokens/s through the HTTP endpoint against the
-in-process engine on the same model, at each concurrency, and their ratio."""
+in-process engine on the same model, at each concurrency, and their ratio.
+
+The two are measured in alternation (in-process, then HTTP, `--repeat` times), so a shared
+machine's drift weighs on both alike; the ratio reported is the median of the pairs' ratios."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import statistics
 import time
 
 import httpx
@@ -74,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-words", type=int, default=24)
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--stream", action="store_true", help="stream the HTTP responses (SSE)")
-    p.add_argument("--repeat", type=int, default=2,
-                   help="runs of each measurement; the best counts (a shared machine is noisy)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="in-process/HTTP pairs per concurrency (a shared machine is noisy)")
     p.add_argument("--steps-in-flight", type=int, default=None,
                    help="plans the serving worker holds at once (default: the config's, 2 on CPU)")
     p.add_argument("--cpus", type=int, default=max(1, os.cpu_count() - 1),
@@ -87,11 +91,6 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.cpus)   # as many threads as the Ray worker gets
     llm = LLM(args.model, device="cpu")
-    in_process(llm, warmup, 4, 8)
-    local = {c: max(in_process(llm, texts[c], c, args.max_tokens) for _ in range(args.repeat))
-             for c in args.concurrency}
-    del llm
-
     config = MetraleConfig(model=args.model, device="cpu", cpus_per_worker=args.cpus,
                            port=args.port, steps_in_flight=args.steps_in_flight)
     ray.init(namespace=NAMESPACE, num_cpus=max(args.cpus, os.cpu_count()), log_to_driver=False,
@@ -101,20 +100,27 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://{config.host}:{config.port}"
     if error := wait_healthy(url):
         raise SystemExit(f"bench: {error}")
+    in_process(llm, warmup, 4, 8)
     asyncio.run(over_http(url, config.model_name, warmup, 4, 8, args.stream))
-    http = {c: max(asyncio.run(over_http(url, config.model_name, texts[c], c, args.max_tokens,
-                                         args.stream)) for _ in range(args.repeat))
-            for c in args.concurrency}
+    pairs = {c: [(in_process(llm, texts[c], c, args.max_tokens),
+                  asyncio.run(over_http(url, config.model_name, texts[c], c, args.max_tokens,
+                                        args.stream)))
+                 for _ in range(args.repeat)]
+             for c in args.concurrency}
     serve.shutdown()
     ray.shutdown()
 
     print(f"model {args.model}; {args.rounds} requests per client of {args.max_tokens} tokens, "
           f"greedy; HTTP {'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
-          f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}")
-    print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}")
-    for c in args.concurrency:
-        print(f"{c:>11} {local[c]:>17.1f} {http[c]:>11.1f} {http[c] / local[c]:>6.3f}")
-
+          f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}; "
+          f"{args.repeat} pairs per concurrency")
+    print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}  "
+          f"pairs' ratios")
+    for c, runs in pairs.items():
+        ratios = [h / local for local, h in runs]
+        print(f"{c:>11} {statistics.median(r[0] for r in runs):>17.1f} "
+              f"{statistics.median(r[1] for r in runs):>11.1f} {statistics.median(ratios):>6.3f}  "
+              + " ".join(f"{r:.2f}" for r in ratios))
 
 if __name__ == "__main__":
     main()
