@@ -136,7 +136,12 @@ class LLM:
     def step(self) -> list[Sequence]:
         """One scheduler plan executed on the worker; returns sequences that got a token."""
         plan = self.scheduler.schedule()
-        return self.scheduler.update(plan, self.worker.execute(plan))
+        try:
+            result = self.worker.execute(plan)
+        except BaseException:
+            self.scheduler.forget(plan)   # its sequences may be planned again
+            raise
+        return self.scheduler.update(plan, result)
 
     def generate(self, prompts: list[str | list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

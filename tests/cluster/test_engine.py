@@ -247,3 +247,20 @@ def test_preemption_never_takes_a_sequence_in_flight(checkpoint):
     assert plan.work == [] and first in s.waiting and second in s.running
     s.update(b, result(b))
     assert [w.seq_id for w in s.schedule(s.share(2)).work] == [second.seq_id]
+
+
+def test_a_failed_step_leaves_no_sequence_in_flight(checkpoint):
+    model_dir = checkpoint("qwen3")
+    llm = LLM(model_dir, device="cpu", block_size=4, max_num_seqs=8)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = llm.generate(PROMPTS[:2], params)
+    execute = llm.worker.execute
+
+    def broken(plan):
+        raise RuntimeError("the step failed")
+    llm.worker.execute = broken
+    with pytest.raises(RuntimeError, match="the step failed"):
+        llm.generate(PROMPTS[2:3], params)
+    assert llm.scheduler.in_flight == set()   # so the sequences can be planned again
+    llm.worker.execute = execute
+    assert [o.text for o in llm.generate(PROMPTS[:2], params)] == [o.text for o in want]
