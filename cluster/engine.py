@@ -19,19 +19,14 @@ from metrale.drafting.stats import SpecStats
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFTS = 3   # drafts per round when a proposer is set and num_drafts is not
-NGRAM_DRAFTS = 7     # n-gram drafts cost no forward, so a deep draft is cheap to try
 
 
 def drafts_per_round(requested: int | None, capacity: WorkerCapacity) -> int:
-    """The draft-length policy's default: DFlash's block size - 1, NGRAM_DRAFTS for n-gram
-    lookup, else DEFAULT_DRAFTS; none without a proposer. The scheduler then clamps it per slot
-    and per round (with adaptive drafts, each round takes the best k up to it)."""
+    """The draft-length policy's default: DFlash's block size - 1, else DEFAULT_DRAFTS; none
+    without a proposer. The scheduler then clamps it per slot and per round."""
     if requested is not None:
         return requested
-    if not capacity.has_proposer:
-        return 0
-    return capacity.fixed_drafts or (NGRAM_DRAFTS if capacity.proposer == "ngram"
-                                     else DEFAULT_DRAFTS)
+    return (capacity.fixed_drafts or DEFAULT_DRAFTS) if capacity.has_proposer else 0
 
 
 class Overloaded(RuntimeError):

@@ -34,8 +34,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
     p.add_argument("--speculative-method", default="none", choices=list(METHODS))
     p.add_argument("--num-drafts", type=int, default=None,
-                   help="most drafts per round (default: the DFlash block size - 1, 7 for ngram, "
-                        "else 3)")
+                   help="most drafts per round (default: the DFlash block size - 1, else 3)")
     p.add_argument("--adaptive-drafts", action=argparse.BooleanOptionalAction, default=True,
                    help="choose each round's drafts (0 to --num-drafts) from measured acceptance "
                         "and step times (default); --no-adaptive-drafts: always --num-drafts")

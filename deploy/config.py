@@ -40,7 +40,7 @@ class MetraleConfig(BaseModel):
     num_drafts: int | None = Field(None, ge=0, description="Drafts per speculative round (the "
                                    "most, with adaptive_drafts); the scheduler clamps it to each "
                                    "slot's verify capacity. Default: the DFlash block size - 1, "
-                                   "7 for ngram, else 3.")
+                                   "else 3.")
     adaptive_drafts: bool = Field(True, description="Choose each round's drafts, 0 to num_drafts, "
                                   "for the most tokens per second from measured acceptance and "
                                   "step times; false: every round carries num_drafts.")

@@ -166,7 +166,7 @@ def test_a_worker_never_waits_for_another(checkpoint):
     assert len(first[0]["ids"]) == 12 and len(done[0]["ids"]) == 12
 
 
-@pytest.mark.parametrize("method, expected", [("none", 0), ("mtp", 3), ("ngram", 7)])
+@pytest.mark.parametrize("method, expected", [("none", 0), ("mtp", 3)])
 def test_drafts_per_round_default(checkpoint, method, expected):
     model_dir = checkpoint("qwen3_5")
     worker = Worker(WorkerConfig(str(model_dir), "cpu", speculative_method=method))
