@@ -197,8 +197,6 @@ class ReplicaEngine:
             lane.wake.clear()
             while lane.state == UP and len(lane.in_flight) < depth:
                 scheduler = lane.scheduler
-                if not scheduler.has_idle_work:
-                    break
                 plan = scheduler.schedule(scheduler.share(depth))
                 if not plan.work:
                     break

@@ -122,11 +122,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def has_idle_work(self) -> bool:
-        """Whether a plan could hold anything: a waiting sequence, or a running one not in flight."""
-        return bool(self.waiting) or any(s.seq_id not in self.in_flight for s in self.running)
-
     def share(self, steps_in_flight: int) -> int | None:
         """Sequences per plan when `steps_in_flight` plans alternate on the worker: an equal part
         of the sequences it runs or will (None: no limit)."""
