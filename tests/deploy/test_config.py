@@ -56,6 +56,18 @@ def test_gpu_kernel_settings_reach_the_worker(tmp_path, checkpoint):
         MetraleConfig.validated({"attention_backend": "flash"})
 
 
+def test_steps_in_flight_reaches_the_scheduler_and_is_bounded(tmp_path, checkpoint):
+    path = tmp_path / "pipe.yaml"
+    path.write_text(f"model: {checkpoint('qwen3')}\nsteps_in_flight: 1\n")
+    assert MetraleConfig.from_yaml(path).scheduler_config().steps_in_flight == 1
+    assert MetraleConfig.load(path).with_overrides(steps_in_flight=None) \
+        .scheduler_config().steps_in_flight == 1   # an unset flag keeps the file's value
+    assert MetraleConfig().scheduler_config().steps_in_flight is None   # per worker device
+    for bad in (0, 5):
+        with pytest.raises(ConfigError, match="steps_in_flight"):
+            MetraleConfig.validated({"steps_in_flight": bad})
+
+
 def test_cluster_resources_decide_the_worker_device(checkpoint):
     config = MetraleConfig(model=str(checkpoint("qwen3")), workers_per_replica=2)
     on_cpu = config.replica_spec(cluster_gpus=0)
