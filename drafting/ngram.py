@@ -6,13 +6,37 @@ from metrale.drafting.proposer import CommittedRows, Proposal, ProposeRequest
 
 
 def ngram_drafts(history: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
-    """The tokens after the most recent earlier occurrence of the longest matching suffix."""
+    """The tokens after the most recent earlier occurrence of the longest matching suffix: the
+    definition, by a scan of the whole history. `SuffixIndex` answers the same in O(max_n)."""
     for n in range(min(max_n, len(history) - 1), min_n - 1, -1):
         suffix = history[-n:]
         for start in range(len(history) - n - 1, -1, -1):
             if history[start:start + n] == suffix:
                 return history[start + n:start + n + num_drafts]
     return []
+
+
+class SuffixIndex:
+    """One sequence's n-grams (min_n..max_n tokens) mapped to where each last began, among those
+    followed by a token. Tokens are indexed as they arrive, so a lookup costs O(max_n) however
+    long the history is (the scan costs O(history x max_n) per round and sequence)."""
+
+    def __init__(self, history: list[int], min_n: int, max_n: int):
+        self.history, self.min_n, self.max_n = history, min_n, max_n
+        self.last: dict[tuple[int, ...], int] = {}
+        self.indexed = 0   # tokens of history whose preceding n-grams are in `last`
+
+    def drafts(self, num_drafts: int) -> list[int]:
+        h = self.history
+        for end in range(self.indexed + 1, len(h)):   # n-grams ending at end - 1, followed by h[end]
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.last[tuple(h[end - n:end])] = end - n
+        self.indexed = max(self.indexed, len(h) - 1)
+        for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
+            start = self.last.get(tuple(h[-n:]))
+            if start is not None:
+                return h[start + n:start + n + num_drafts]
+        return []
 
 
 class NgramProposer:
@@ -26,6 +50,7 @@ class NgramProposer:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.index: dict[int, SuffixIndex] = {}   # slot -> its sequence's index
 
     @classmethod
     def from_worker(cls, ngram_min=1, ngram_max=4, **_):
@@ -34,9 +59,12 @@ class NgramProposer:
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         out = []
         for req in requests:
-            drafts = ngram_drafts(req.history, req.num_drafts, self.min_n, self.max_n)
+            index = self.index.get(req.slot)
+            # the worker starts a new history list for each sequence a slot takes
+            if index is None or index.history is not req.history:
+                index = self.index[req.slot] = SuffixIndex(req.history, self.min_n, self.max_n)
             kept: list[int] = []
-            for token in drafts:   # a grammar cuts the lookup at its first disallowed token
+            for token in index.drafts(req.num_drafts):   # a grammar cuts at its first disallowed token
                 mask = req.allowed(kept) if req.allowed else None
                 if mask is not None and not bool(mask[token]):
                     break
