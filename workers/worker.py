@@ -50,6 +50,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1        # ranks (worker processes) one worker's model spans
     attention_backend: str = "auto"      # auto | torch | triton (auto: triton on CUDA)
     cuda_graphs: bool = True             # replay captured decode/verify steps on CUDA
+    pad_drafts: bool | None = None       # verify every planned draft slot (None: with CUDA graphs)
     capture_at_start: bool = True        # capture every decode/verify graph when starting
 
     @property
@@ -93,6 +94,9 @@ class Worker:
         self.use_graphs = (config.cuda_graphs and self.device.type == "cuda"
                            and self.backend == "triton" and tp.size == 1)
         spare = int(self.use_graphs)
+        # A sequence given fewer drafts than planned verifies filler rows in their place, so the
+        # round's chunks stay equal in length and its graph replays; verdicts read the real rows.
+        self.pad_drafts = self.use_graphs if config.pad_drafts is None else config.pad_drafts
         self.kv = self._make_kv_cache()
         slots = config.max_num_seqs
         self.ssm = self._make_ssm_pool() if cfg.is_hybrid else None
@@ -190,9 +194,9 @@ class Worker:
         drafts = self._propose(plan.work)
         drafts = self.tp.agree(drafts) if drafts else drafts
         proposed = time.perf_counter()
-        verifying = {sid for sid, d in drafts.items() if d}
+        verifying = {sid for sid, d in drafts.items() if d or self.pad_drafts}
         batch = ForwardBatch.build(
-            [(w.tokens + drafts.get(w.seq_id, []), w.context_len, w.block_table, w.slot,
+            [(self._rows(w, drafts), w.context_len, w.block_table, w.slot,
               w.seq_id in verifying and self.ssm is not None) for w in plan.work],
             self.config.block_size, self.device, self.backend)
         hidden, captured, logits = self._forward(batch)
@@ -203,7 +207,7 @@ class Worker:
             d = drafts.get(w.seq_id, [])
             outcome = verdicts.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
-            if d and self.ssm is not None:
+            if w.seq_id in verifying and self.ssm is not None:
                 self.ssm.commit(w.slot, accepted)
             self.history[w.slot].extend(d[:accepted])
             if outcome:
@@ -284,6 +288,13 @@ class Worker:
         proposals = self.proposer.propose(requests)
         return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}
 
+    def _rows(self, w: SeqWork, drafts: dict[int, list[int]]) -> list[int]:
+        """The chunk's tokens, its drafts, and with padding filler up to the planned drafts."""
+        d = drafts.get(w.seq_id, [])
+        if self.pad_drafts and w.seq_id in drafts:
+            d = d + [w.tokens[-1]] * (w.num_drafts - len(d))
+        return w.tokens + d
+
     def _forward(self, batch: ForwardBatch):
         """Hidden rows, captured layers, and the logits of every row when a CUDA graph ran the
         step (None otherwise: they are computed per sequence)."""
@@ -301,9 +312,10 @@ class Worker:
         for w, rows in zip(work, batch.seqs):
             if w.sample:
                 d = drafts.get(w.seq_id, [])
-                end = rows.start + rows.length
-                rows_logits = (logits[end - 1 - len(d):end] if logits is not None
-                               else self.model.logits(hidden[end - 1 - len(d):end]))
+                # the pending token's row and the drafts' (filler rows after them are not read)
+                first = rows.start + len(w.tokens) - 1
+                at = slice(first, first + len(d) + 1)
+                rows_logits = logits[at] if logits is not None else self.model.logits(hidden[at])
                 if w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None:
                     greedy.append((w, d, rows_logits))
                 else:

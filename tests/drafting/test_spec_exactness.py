@@ -69,6 +69,8 @@ class OracleProposer:
         for r in requests:
             seq = next(s for s in self.full if s[:len(r.history)] == r.history)
             drafts = seq[len(r.history):len(r.history) + r.num_drafts]
+            if self.rng.random() < 0.25:   # fewer drafts than asked for
+                drafts = drafts[:self.rng.randrange(r.num_drafts)]
             if drafts and self.rng.random() < 0.5:
                 i = self.rng.randrange(len(drafts))
                 drafts = drafts[:i] + [(drafts[i] + 1) % 300] + drafts[i + 1:]
@@ -81,17 +83,20 @@ class OracleProposer:
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "qwen3_5-vl"])
 @pytest.mark.parametrize("k", [1, 3, 7])
-def test_every_acceptance_length_commits_exactly(checkpoint, name, k):
+@pytest.mark.parametrize("pad", [False, True], ids=["ragged", "padded"])
+def test_every_acceptance_length_commits_exactly(checkpoint, name, k, pad):
+    """Padded: a sequence given fewer drafts than planned verifies filler rows (as on the GPU,
+    where that keeps rounds on their CUDA graph); the filler is never accepted."""
     model_dir = checkpoint(name)
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="ngram", num_drafts=k,
-              adaptive_drafts=False, max_num_batched_tokens=16)
+              adaptive_drafts=False, max_num_batched_tokens=16, pad_drafts=pad)
     prompts = [llm.encode(p) for p in PROMPTS]
     refs = reference(model_dir, prompts)
     llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
     outs = run_with_arrivals(llm, {0: prompts[:3], 4: prompts[3:]}, GREEDY)
     assert [o.token_ids for o in outs] == refs
     stats = llm.scheduler.stats
-    assert stats.drafts_accepted > 0 and stats.mean_acceptance_length > 1.5
+    assert stats.drafts_accepted > 0 and stats.mean_acceptance_length > 1.25
     if k > 1:
         assert 0 < stats.accepted_at[-1] < stats.proposed_at[-1]
 
