@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
-                                       masked_argmax)
+from metrale.drafting.proposer import (CommittedRows, HeldRows, Proposal, ProposeRequest,
+                                       ProposerError, masked_argmax)
 from metrale.workers.models.config import read_json
 from metrale.workers.cuda_graphs import bucket_for, buckets_up_to, capture
 from metrale.workers.models import kernels
@@ -144,6 +144,7 @@ class DFlashProposer:
         self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
         self.ctx_len = [0] * num_slots
         self.window = window
+        self.held = HeldRows()
         self.graphs = DFlashGraphs(self, self.max_batch) if device.type == "cuda" and graphs else None
 
     @classmethod
@@ -152,8 +153,12 @@ class DFlashProposer:
             raise ProposerError("speculative method 'dflash' needs a drafter directory (--drafter)")
         return cls(target, drafter, num_slots, dflash_window, cuda_graphs)
 
-    @torch.inference_mode()
     def commit(self, rows: list[CommittedRows]) -> None:
+        self._catch_up(self.held.add(rows))
+
+    @torch.inference_mode()
+    def _catch_up(self, rows: list[CommittedRows]) -> None:
+        """The draft layers' K/V of the rows' target features, appended to each slot's window."""
         if not rows:
             return
         d = self.drafter
@@ -186,6 +191,7 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        self._catch_up(self.held.take(r.slot for r in requests))
         width = max(self.ctx_len[r.slot] for r in requests)
         slots, pending, positions, lens = torch.tensor(
             [[r.slot, r.pending, r.position, self.ctx_len[r.slot]] for r in requests],

@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from metrale.drafting.proposer import (CommittedRows, Proposal, ProposeRequest, ProposerError,
-                                       in_batches, masked_argmax)
+from metrale.drafting.proposer import (CommittedRows, HeldRows, Proposal, ProposeRequest,
+                                       ProposerError, in_batches, masked_argmax)
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models.config import ModelConfig
@@ -83,6 +83,7 @@ class MTPProposer:
         self.stash = torch.zeros(num_slots, cfg.hidden_size, dtype=dtype, device=device)
         self.stash_pos = [0] * num_slots
         self.block_size, self.max_batch = block_size, max_batch
+        self.held = HeldRows()
         # a draft whose probability is below the threshold ends its chain (the first is always kept)
         self.threshold = math.log(confidence_threshold) if confidence_threshold else None
 
@@ -96,9 +97,12 @@ class MTPProposer:
         model = self.target.model
         return self.head(model.embed_tokens, model.rotary, batch.input_ids, hidden, batch, self.kv)
 
-    @torch.inference_mode()
     def commit(self, rows: list[CommittedRows]) -> None:
-        """Catch-up: MTP rows for every committed position, including serially decoded ones."""
+        self._catch_up(self.held.add(rows))
+
+    @torch.inference_mode()
+    def _catch_up(self, rows: list[CommittedRows]) -> None:
+        """MTP rows for every committed position, including serially decoded ones."""
         if not rows:
             return
         batch = ForwardBatch.build([(r.next_tokens, r.start, r.block_table, -1) for r in rows],
@@ -111,6 +115,7 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        self._catch_up(self.held.take(r.slot for r in requests))
         return in_batches(requests, self.max_batch, self._propose_batch)
 
     def _propose_batch(self, requests: list[ProposeRequest]) -> list[Proposal]:

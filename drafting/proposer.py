@@ -45,6 +45,50 @@ class CommittedRows:
     fresh: bool                 # the sequence's first rows: forget what the slot held before
 
 
+HOLD_ROWS = 64   # committed rows a slot may hold back before its drafter catches up anyway
+
+
+class HeldRows:
+    """Committed rows a drafter has not consumed yet, per slot. A drafter with per-sequence state
+    (MTP's cache and stash, DFlash's context) catches up only for the sequences it is asked to
+    propose for, in one forward over all their held rows, so rounds without drafts (the draft
+    policy's k = 0) cost it nothing. A slot holds at most `limit` rows."""
+
+    def __init__(self, limit: int = HOLD_ROWS):
+        self.limit = limit
+        self.held: dict[int, list[CommittedRows]] = {}
+        self.count: dict[int, int] = {}
+
+    def add(self, rows: list[CommittedRows]) -> list[CommittedRows]:
+        """Holds `rows`; returns, merged, those of slots now holding more than the limit."""
+        for r in rows:
+            if r.fresh:   # the slot's new sequence: what it held is no one's now
+                self.held[r.slot], self.count[r.slot] = [], 0
+            self.held.setdefault(r.slot, []).append(r)
+            self.count[r.slot] = self.count.get(r.slot, 0) + len(r.tokens)
+        return self.take([slot for slot, n in self.count.items() if n > self.limit])
+
+    def take(self, slots) -> list[CommittedRows]:
+        """The slots' held rows, one contiguous CommittedRows per slot that holds any."""
+        out = []
+        for slot in dict.fromkeys(slots):
+            rows = self.held.pop(slot, None)
+            self.count.pop(slot, None)
+            if rows:
+                out.append(rows[0] if len(rows) == 1 else _joined(rows))
+        return out
+
+
+def _joined(rows: list[CommittedRows]) -> CommittedRows:
+    for a, b in zip(rows, rows[1:]):
+        assert b.start == a.start + len(a.tokens), "held rows of a slot are contiguous"
+    return CommittedRows(rows[0].slot, rows[0].start, [t for r in rows for t in r.tokens],
+                         [t for r in rows for t in r.next_tokens],
+                         torch.cat([r.hidden for r in rows]),
+                         [torch.cat(layer) for layer in zip(*(r.captured for r in rows))],
+                         rows[-1].block_table, rows[0].fresh)
+
+
 class Proposer(Protocol):
     method: str
     capture_layers: tuple[int, ...]   # target layers whose outputs `commit` needs
@@ -56,7 +100,8 @@ class Proposer(Protocol):
         """Up to `num_drafts` drafts per request (fewer when the drafter stops early)."""
 
     def commit(self, rows: list[CommittedRows]) -> None:
-        """Brings the drafter's per-sequence state up to date with newly committed rows."""
+        """Newly committed rows: the drafter's per-sequence state must reflect them by the time
+        it proposes for their sequence (MTP and DFlash hold them until then: HeldRows)."""
 
 
 METHODS = ("none", "mtp", "dflash", "ngram", "self")

@@ -72,6 +72,7 @@ def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
     seq = llm.scheduler.by_request[rid][0]
     while len(seq.output_ids) < 12:
         llm.step()
+    a = proposal_for(llm, seq, 3)   # the drafter catches up on the rows it holds
     assert llm.worker.proposer.ctx_len[seq.slot] == 8
     # A fresh prefill of the same tokens keeps the same last 8 rows: the same proposal.
     fresh = LLM(model_dir, **kw)
@@ -79,5 +80,38 @@ def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
     seq2 = fresh.scheduler.by_request[rid2][0]
     while not seq2.output_ids:
         fresh.step()
-    a, b = proposal_for(llm, seq, 3), proposal_for(fresh, seq2, 3)
+    b = proposal_for(fresh, seq2, 3)
     assert a.tokens == b.tokens and a.confidence == pytest.approx(b.confidence, abs=1e-4)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+@pytest.mark.parametrize("limit", [64, 3])
+def test_drafter_catches_up_on_rows_held_through_rounds_without_drafts(
+        checkpoint, dflash_drafter, method, limit):
+    """Rounds of k = 0 leave their rows held by the drafter (up to `limit` per slot); the next
+    proposal catches up on all of them at once and equals the one after a fresh prefill."""
+    model_dir = checkpoint("qwen3_5")
+    kw = dict(device="cpu", block_size=4, speculative_method=method, num_drafts=3,
+              drafter=dflash_drafter("qwen3_5") if method == "dflash" else None)
+    llm = LLM(model_dir, **kw)
+    held = llm.worker.proposer.held
+    held.limit = limit
+    rounds = iter([0] * 5 + [3] + [0] * 2 + [3] + [0] * 40)
+    llm.scheduler.drafts.choose = lambda batch: next(rounds)
+    rid = llm.add_request(llm.encode(PROMPTS[2]), GREEDY)
+    seq = llm.scheduler.by_request[rid][0]
+    while len(seq.output_ids) < 16:
+        llm.step()
+    assert seq.spec.rounds == 2
+    assert 0 < held.count[seq.slot] <= limit
+    after_rounds = proposal_for(llm, seq, 3)
+    assert seq.slot not in held.held
+
+    fresh = LLM(model_dir, **kw)
+    rid2 = fresh.add_request(seq.tokens[:-1], GREEDY)
+    seq2 = fresh.scheduler.by_request[rid2][0]
+    while not seq2.output_ids:
+        fresh.step()
+    after_prefill = proposal_for(fresh, seq2, 3)
+    assert after_rounds.tokens == after_prefill.tokens
+    assert after_rounds.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
