@@ -8,7 +8,8 @@ PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured..
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
 DECAY = 0.95         # per step that observes a position: its history's weight halves in ~14 steps
 COST_DECAY = 0.8     # weight of the old average when a (batch bucket, k) step time is measured
-PROBE_EVERY = 8      # every 8th round runs a neighbour of the best k, so its figures stay current
+PROBE_EVERY = 8      # a round in 8 runs a neighbour of the best k, so its figures stay current...
+PROBE_MOST = 64      # ...a round in up to 64 while probes keep confirming the best k
 
 
 def batch_bucket(batch: int) -> int:
@@ -31,6 +32,25 @@ class StepCost:
         self.forward_s = COST_DECAY * self.forward_s + (1 - COST_DECAY) * forward_s
 
 
+class Probes:
+    """When a batch bucket's next probe is due: PROBE_EVERY rounds after a probe that changed the
+    best k (or the first), twice the last wait, up to PROBE_MOST, after one that confirmed it; a
+    probe of a losing k costs more than a round, so a settled choice is probed rarely."""
+
+    def __init__(self):
+        self.wait = self.left = PROBE_EVERY
+        self.best: int | None = None
+        self.up = False
+
+    def due(self, best: int) -> bool:
+        self.left -= 1
+        if self.left > 0:
+            return False
+        self.wait = min(2 * self.wait, PROBE_MOST) if best == self.best else PROBE_EVERY
+        self.best, self.left, self.up = best, self.wait, not self.up
+        return True
+
+
 class DraftPolicy:
     """Chooses the drafts per sequence of a round, 0..max_drafts, that maximise expected committed
     tokens per second: E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j being the measured
@@ -43,23 +63,24 @@ class DraftPolicy:
         self.accepted = [0.0] * max_drafts
         self.costs: dict[int, dict[int, StepCost]] = {}   # batch bucket -> k -> measured cost
         self.chosen: dict[int, int] = {}                  # batch bucket -> k of its last round
+        self.probes: dict[int, Probes] = {}               # batch bucket -> its probe schedule
         self.last_k = max_drafts                          # k of the latest round
-        self.rounds = 0
+        self.probed = False                               # whether the latest round was a probe
 
     # -- the choice ---------------------------------------------------------------------
 
     def choose(self, batch: int) -> int:
         """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
-        Every PROBE_EVERY-th round tries the best k's neighbour, alternately above and below,
-        so a k that lost once (0 included) is measured again and can win back."""
+        Now and then a round tries the best k's neighbour, alternately above and below, so a k
+        that lost once (0 included) is measured again and can win back (see Probes)."""
         if not self.adaptive:
             return self.max_drafts
         bucket = batch_bucket(batch)
         k = self.best(bucket)
-        self.rounds += 1
-        if self.rounds % PROBE_EVERY == 0:
-            up = (self.rounds // PROBE_EVERY) % 2 == 0
-            k = k + 1 if (up and k < self.max_drafts) or k == 0 else k - 1
+        probes = self.probes.setdefault(bucket, Probes())
+        self.probed = probes.due(k)
+        if self.probed:
+            k = k + 1 if (probes.up and k < self.max_drafts) or k == 0 else k - 1
         self.chosen[bucket] = self.last_k = k
         return k
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from conftest import PROMPTS
-from metrale.cluster.draft_policy import PROBE_EVERY, DraftPolicy, StepCost
+from metrale.cluster.draft_policy import PROBE_EVERY, PROBE_MOST, DraftPolicy, StepCost
 from metrale.cluster.params import SamplingParams
 from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
@@ -27,10 +27,12 @@ def verify_by_rows(batch, k):
 
 def simulate(policy, rounds, batch, accept, cost, rng):
     """`rounds` rounds of `batch` sequences that accept each draft with probability `accept`,
-    each round taking cost(batch, k); returns the ks the policy chose."""
+    each round taking cost(batch, k); returns the ks the policy chose, each with whether it was
+    a probe."""
     ks = []
     for _ in range(rounds):
         k = policy.choose(batch)
+        ks.append((k, policy.probed))
         outcomes = []
         for _ in range(batch):
             j = 0
@@ -39,22 +41,36 @@ def simulate(policy, rounds, batch, accept, cost, rng):
             outcomes.append((k, j))
         policy.record_acceptance(outcomes)
         policy.record_cost(batch, batch * k, *cost(batch, k))
-        ks.append(k)
     return ks
 
 
-def without_probes(ks, first_round=1):
-    return [k for i, k in enumerate(ks, first_round) if i % PROBE_EVERY]
+def without_probes(ks):
+    return [k for k, probe in ks if not probe]
+
+
+def probe_rounds(ks):
+    return [(i, k) for i, (k, probe) in enumerate(ks) if probe]
 
 
 def test_no_drafts_when_none_are_accepted():
     policy = DraftPolicy(6)
     ks = simulate(policy, 80, 8, 0.0, cheap_verify, random.Random(0))
-    assert ks[0] == 6                                     # nothing measured yet: the most
+    assert ks[0] == (6, False)                            # nothing measured yet: the most
     assert policy.best(8) == 0
     assert set(without_probes(ks)[-40:]) == {0}
-    assert set(ks[PROBE_EVERY * 5 - 1::PROBE_EVERY]) == {1}   # still trying 1 now and then
+    probes = probe_rounds(ks)
+    assert {k for _, k in probes[2:]} == {1}                  # still trying 1 now and then...
+    gaps = [b - a for (a, _), (b, _) in zip(probes, probes[1:])]
+    assert gaps[0] == PROBE_EVERY and gaps[-1] > gaps[0] and gaps == sorted(gaps)  # ...less often
     assert policy.acceptance_at()[0] < 0.05
+
+
+def test_probes_back_off_to_the_slowest_rate_while_they_confirm_the_best_k():
+    policy = DraftPolicy(4)
+    ks = simulate(policy, 400, 8, 0.0, cheap_verify, random.Random(0))
+    probes = probe_rounds(ks)
+    assert probes[-1][0] - probes[-2][0] == PROBE_MOST
+    assert len(probes) < 400 / PROBE_EVERY / 3
 
 
 def test_most_drafts_when_acceptance_is_high_and_verify_cheap():
@@ -84,7 +100,7 @@ def test_speculation_comes_back_when_acceptance_recovers():
     assert policy.best(8) == 0
     ks = simulate(policy, 200, 8, 0.9, cheap_verify, rng)
     assert policy.best(8) == 4
-    assert set(without_probes(ks, 201)[-100:]) == {4}
+    assert set(without_probes(ks)[-100:]) == {4}
 
 
 def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accepted():
@@ -148,9 +164,12 @@ def test_the_scheduler_stops_drafting_when_the_policy_says_so(checkpoint):
         s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
     step(s)
     assert s.drafts.costs == {}                   # a prefill step's time is not a decode's
-    seen = [[w.num_drafts for w in step(s).work] for _ in range(24)]
-    assert seen[0] == [4, 4] and seen[1] == [0, 0]     # measured at 4, then tries 0
-    assert all(ks == [0, 0] for i, ks in enumerate(seen[2:], 3) if i % PROBE_EVERY)
+    seen = []
+    for _ in range(24):
+        seen.append(([w.num_drafts for w in step(s).work], s.drafts.probed))
+    assert seen[0][0] == [4, 4] and seen[1][0] == [0, 0]     # measured at 4, then tries 0
+    assert all(ks == [0, 0] for ks, probe in seen[2:] if not probe)
+    assert sum(probe for _, probe in seen) == 2
     assert s.drafts.acceptance_at()[0] < 0.2
     assert set(s.drafts.costs[2]) == {0, 1, 4}
 
