@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "shapes) or a checkpoint directory")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--methods", default="none,mtp,dflash,ngram",
-                   help="proposers timed on the bundled model or a given directory ('none': plain)")
+                   help="proposers timed on the bundled model or a given directory ('none': "
+                        "plain; 'ngram@7': at most 7 drafts a round instead of the default)")
     p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
     p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
@@ -162,20 +163,21 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     """tokens/s per method per batch size, each after a short warm-up run at that batch size."""
     out = {}
     top = max(args.batch_sizes)
-    for method in methods:
+    for spec in methods:
+        method, _, most = spec.partition("@")   # ngram@7: at most 7 drafts per round
         llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
                   kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
                                                  args.prompt_len + args.new_tokens + MAX_VERIFY),
                   # prefill in steps of at most 16K tokens bounds activation memory at batch 64
                   max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
-                  speculative_method=method,
+                  speculative_method=method, num_drafts=int(most) if most else None,
                   drafter=drafter if method == "dflash" else None, **options)
         runs = {}
         for b in args.batch_sizes:
             decode_run(llm, prompts[:b], 8)
             runs[b] = decode_run(llm, prompts[:b], args.new_tokens)
-            note(f"  {method} batch {b}: {runs[b]['tokens_per_s']:.1f} tokens/s")
-        out[method] = runs
+            note(f"  {spec} batch {b}: {runs[b]['tokens_per_s']:.1f} tokens/s")
+        out[spec] = runs
         release(llm)
     return out
 
