@@ -8,6 +8,7 @@ PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured..
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
 DECAY = 0.95         # per step that observes a position: its history's weight halves in ~14 steps
 COST_DECAY = 0.8     # weight of the old average when a (batch bucket, k) step time is measured
+COST_CLIP = 3.0      # a step time above 3x the average counts as 3x (a stall, not the k's cost)
 PROBE_EVERY = 8      # a round in 8 runs a neighbour of the best k, so its figures stay current...
 PROBE_MOST = 64      # ...a round in up to 64 while probes keep confirming the best k
 
@@ -19,17 +20,28 @@ def batch_bucket(batch: int) -> int:
 
 @dataclass
 class StepCost:
-    """Decaying averages of one (batch bucket, k)'s propose and target forward + verify seconds."""
+    """Decaying averages of one (batch bucket, k)'s propose and target forward + verify seconds.
+    The first round of a (batch bucket, k) pays one-time costs (kernels compiled for its shapes,
+    CUDA graphs captured on first use), so its figures are replaced by the second round's and
+    only count from then on (`samples`)."""
     propose_s: float
     forward_s: float
+    samples: int = 1
 
     @property
     def seconds(self) -> float:
         return self.propose_s + self.forward_s
 
     def add(self, propose_s: float, forward_s: float) -> None:
+        if not self.samples:
+            self.propose_s, self.forward_s, self.samples = propose_s, forward_s, 1
+            return
+        over = (propose_s + forward_s) / (COST_CLIP * self.seconds) if self.seconds else 0.0
+        if over > 1:
+            propose_s, forward_s = propose_s / over, forward_s / over
         self.propose_s = COST_DECAY * self.propose_s + (1 - COST_DECAY) * propose_s
         self.forward_s = COST_DECAY * self.forward_s + (1 - COST_DECAY) * forward_s
+        self.samples += 1
 
 
 class Probes:
@@ -123,13 +135,15 @@ class DraftPolicy:
         return lo + (hi - lo) * (k - below) / (above - below)
 
     def _cost_table(self, bucket: int) -> dict[int, StepCost]:
-        """The bucket's measurements, or those of the nearest measured bucket until it has some."""
-        if self.costs.get(bucket):
-            return self.costs[bucket]
-        measured = [b for b, t in self.costs.items() if t]
+        """The bucket's measurements, or those of the nearest measured bucket until it has some
+        (a k's first round, its warm-up, is not a measurement)."""
+        tables = {b: {k: c for k, c in t.items() if c.samples} for b, t in self.costs.items()}
+        if tables.get(bucket):
+            return tables[bucket]
+        measured = [b for b, t in tables.items() if t]
         if not measured:
             return {}
-        return self.costs[min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))]
+        return tables[min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))]
 
     # -- measurements -------------------------------------------------------------------
 
@@ -156,7 +170,7 @@ class DraftPolicy:
         if k in table:
             table[k].add(propose_s, forward_s)
         else:
-            table[k] = StepCost(propose_s, forward_s)
+            table[k] = StepCost(propose_s, forward_s, samples=0)
 
     # -- state --------------------------------------------------------------------------
 

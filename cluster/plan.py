@@ -18,6 +18,7 @@ class SeqWork:
     sample: SamplingSpec | None  # None for a prefill chunk that does not reach the end
     prompt_len: int = 0
     num_drafts: int = 0        # drafts to propose and verify after the pending token
+    pad_to: int = 0            # draft rows to verify, filler after the real ones (pad_drafts)
     next_token: int | None = None  # the token after a prefill chunk that does not sample
     grammar: GrammarSpec | None = None
     constraint: TokenConstraint | None = None
@@ -68,6 +69,7 @@ class WorkerCapacity:
     self_speculative: bool = False
     prefix_sharing: bool = True            # False when the proposer keeps per-row state
     on_gpu: bool = False
+    pad_drafts: bool = False               # the worker verifies filler rows up to a planned depth
 
     @property
     def has_proposer(self) -> bool:

@@ -178,7 +178,8 @@ class Scheduler:
             k_min = min((k for _, n, k in chosen if k), default=0)
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
         self.in_flight.update(seq.seq_id for seq, _, _ in chosen)
-        return StepPlan([self._work(seq, n, k) for seq, n, k in chosen])
+        pad = self._pad_depth(chosen)
+        return StepPlan([self._work(seq, n, k, pad.get(seq.seq_id, 0)) for seq, n, k in chosen])
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Commits a step's outcome; returns the sequences that produced tokens."""
@@ -221,7 +222,26 @@ class Scheduler:
                                                       self.capacity.eos_token_ids)
         return self._grammar_compiler
 
-    def _work(self, seq: Sequence, n: int, k: int) -> SeqWork:
+    def _pad_depth(self, chosen: list[tuple[Sequence, int, int]]) -> dict[int, int]:
+        """With a padding worker, a round of decoding sequences only: each sequence given fewer
+        drafts than the round's deepest (tokens left, or none) verifies filler up to that depth
+        where its slot, its context and free blocks allow it, so every chunk has one length and
+        the round replays a CUDA graph. Never preempts for it."""
+        depth = max((k for _, _, k in chosen), default=0)
+        if (not self.capacity.pad_drafts or not depth
+                or any(n != 1 or seq.num_pending != 1 for seq, n, _ in chosen)):
+            return {}
+        pad = {}
+        for seq, _, k in chosen:
+            if k < depth and (self.capacity.slot_capacity[seq.slot] >= depth
+                              and seq.num_tokens + depth <= self.max_model_len
+                              and self.blocks.can_append(seq.block_table,
+                                                         seq.num_computed + 1 + depth)):
+                self.blocks.append(seq.block_table, seq.num_computed + 1 + depth)
+                pad[seq.seq_id] = depth
+        return pad
+
+    def _work(self, seq: Sequence, n: int, k: int, pad_to: int = 0) -> SeqWork:
         start = seq.num_computed
         samples = start + n == seq.num_tokens
         p = seq.params
@@ -229,7 +249,7 @@ class Scheduler:
                             len(seq.output_ids), p.logprobs) if samples else None
         tokens = seq.tokens
         return SeqWork(seq.seq_id, tokens[start:start + n], start, list(seq.block_table),
-                       seq.slot, spec, prompt_len=len(seq.prompt_ids), num_drafts=k,
+                       seq.slot, spec, prompt_len=len(seq.prompt_ids), num_drafts=k, pad_to=pad_to,
                        next_token=None if samples else tokens[start + n],
                        grammar=p.grammar, constraint=p.constraint)
 

@@ -71,11 +71,15 @@ class SSMSlotPool:
         self.conv[:, idx] = 0
         self.state[:, idx] = 0
 
-    def commit(self, slot: int, accepted: int) -> None:
-        """After a verify that accepted `accepted` drafts: the slot's state is entry `accepted`."""
-        entry = self.offset[slot] + accepted
-        self.conv[:, slot] = self.verify_conv[:, entry]
-        self.state[:, slot] = self.verify_state[:, entry]
+    def commit(self, slots: list[int], accepted: list[int]) -> None:
+        """After a verify: each slot's state is its entry `accepted` (the drafts it accepted),
+        in one copy per tensor for all the slots."""
+        if not slots:
+            return
+        index = torch.tensor([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
+                             dtype=torch.long).to(self.conv.device, non_blocking=True)
+        self.conv[:, index[0]] = self.verify_conv[:, index[1]]
+        self.state[:, index[0]] = self.verify_state[:, index[1]]
 
     def scratch(self, slots: list[int], layers: int) -> "SSMSlotPool":
         """A copy of the first `layers` layers' state of `slots`, as slots 0..len(slots)-1, for a

@@ -118,7 +118,8 @@ class Worker:
             proposer=p.method if p else "none", slot_capacity=capacity if p else (0,) * slots,
             fixed_drafts=p.fixed_drafts if p else None,
             propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
-            prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda")
+            prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda",
+            pad_drafts=bool(p) and self.pad_drafts)
         self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
         self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
         self._grammar_compiler = None
@@ -194,21 +195,23 @@ class Worker:
         drafts = self._propose(plan.work)
         drafts = self.tp.agree(drafts) if drafts else drafts
         proposed = time.perf_counter()
-        verifying = {sid for sid, d in drafts.items() if d or self.pad_drafts}
+        rows = [self._rows(w, drafts) for w in plan.work]
+        verifying = {w.seq_id for w, r in zip(plan.work, rows) if len(r) > len(w.tokens)}
         batch = ForwardBatch.build(
-            [(self._rows(w, drafts), w.context_len, w.block_table, w.slot,
-              w.seq_id in verifying and self.ssm is not None) for w in plan.work],
+            [(r, w.context_len, w.block_table, w.slot, w.seq_id in verifying and self.ssm is not None)
+             for w, r in zip(plan.work, rows)],
             self.config.block_size, self.device, self.backend)
         hidden, captured, logits = self._forward(batch)
         verdicts = self._verdicts(plan.work, batch, drafts, hidden, logits)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
-        outcomes, committed = [], []
+        outcomes, committed, verified = [], [], ([], [])
         for w, rows in zip(plan.work, batch.seqs):
             d = drafts.get(w.seq_id, [])
             outcome = verdicts.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
-            if w.seq_id in verifying and self.ssm is not None:
-                self.ssm.commit(w.slot, accepted)
+            if w.seq_id in verifying:
+                verified[0].append(w.slot)
+                verified[1].append(accepted)
             self.history[w.slot].extend(d[:accepted])
             if outcome:
                 outcomes.append(outcome)
@@ -216,6 +219,8 @@ class Worker:
             if self.proposer:
                 committed.append(self._committed_rows(w, rows, d[:accepted], outcome, hidden,
                                                       captured))
+        if self.ssm is not None:
+            self.ssm.commit(*verified)
         if self.proposer:
             self.proposer.commit(committed)
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
@@ -289,10 +294,10 @@ class Worker:
         return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}
 
     def _rows(self, w: SeqWork, drafts: dict[int, list[int]]) -> list[int]:
-        """The chunk's tokens, its drafts, and with padding filler up to the planned drafts."""
+        """The chunk's tokens, its drafts, and with padding filler up to the planned depth."""
         d = drafts.get(w.seq_id, [])
-        if self.pad_drafts and w.seq_id in drafts:
-            d = d + [w.tokens[-1]] * (w.num_drafts - len(d))
+        if self.pad_drafts:
+            d = d + [w.tokens[-1]] * (max(w.num_drafts, w.pad_to) - len(d))
         return w.tokens + d
 
     def _forward(self, batch: ForwardBatch):

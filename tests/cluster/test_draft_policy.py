@@ -122,6 +122,16 @@ def test_expected_tokens_and_step_time_estimates():
     assert DraftPolicy.step_seconds(one, 5) == pytest.approx(0.009)       # above: as if free
 
 
+def test_a_ks_first_round_is_a_warm_up_and_a_stall_counts_as_three_times_the_average():
+    policy = DraftPolicy(2)
+    policy.record_cost(1, 2, 0.010, 0.090)        # compiling kernels, capturing graphs
+    assert policy.best(1) == 2 and policy._cost_table(1) == {}
+    policy.record_cost(1, 2, 0.001, 0.004)
+    assert policy.costs[1][2].seconds == pytest.approx(0.005)
+    policy.record_cost(1, 2, 0.010, 0.040)        # a stall: counted as 0.015
+    assert policy.costs[1][2].seconds == pytest.approx(0.8 * 0.005 + 0.2 * 0.015)
+
+
 def test_fixed_mode_always_answers_num_drafts():
     policy = DraftPolicy(3, adaptive=False)
     simulate(policy, 20, 4, 0.0, verify_by_rows, random.Random(0))
@@ -167,7 +177,8 @@ def test_the_scheduler_stops_drafting_when_the_policy_says_so(checkpoint):
     seen = []
     for _ in range(24):
         seen.append(([w.num_drafts for w in step(s).work], s.drafts.probed))
-    assert seen[0][0] == [4, 4] and seen[1][0] == [0, 0]     # measured at 4, then tries 0
+    # 4 until measured (its first round is a warm-up), then 0
+    assert seen[0][0] == seen[1][0] == [4, 4] and seen[2][0] == [0, 0]
     assert all(ks == [0, 0] for ks, probe in seen[2:] if not probe)
     assert sum(probe for _, probe in seen) == 2
     assert s.drafts.acceptance_at()[0] < 0.2

@@ -24,7 +24,7 @@ def plan(constraint=None) -> StepPlan:
     return StepPlan([
         SeqWork(0, [5, 6, 7], 0, [3, 4], 1, None, prompt_len=9, next_token=8),
         SeqWork(1, [9], 12, [0], 0, SamplingSpec(0.7, 0.9, 5, 0.05, 2**61 + 3, 4, logprobs=2),
-                prompt_len=4, num_drafts=3, constraint=constraint)])
+                prompt_len=4, num_drafts=3, pad_to=5, constraint=constraint)])
 
 
 def test_records_round_trip():

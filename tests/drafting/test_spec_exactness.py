@@ -93,8 +93,19 @@ def test_every_acceptance_length_commits_exactly(checkpoint, name, k, pad):
     prompts = [llm.encode(p) for p in PROMPTS]
     refs = reference(model_dir, prompts)
     llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
+    depths, execute = [], llm.worker.execute
+
+    def recorded(plan):   # the draft rows of each round where every sequence decodes
+        if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
+            depths.append({max(w.num_drafts, w.pad_to) for w in plan.work})
+        return execute(plan)
+    llm.worker.execute = recorded
     outs = run_with_arrivals(llm, {0: prompts[:3], 4: prompts[3:]}, GREEDY)
     assert [o.token_ids for o in outs] == refs
+    if pad:   # rounds near max_tokens give sequences fewer drafts; filler evens them out
+        assert all(len(d) == 1 for d in depths), depths
+    if pad and k > 1:
+        assert any(d != {k} for d in depths)
     stats = llm.scheduler.stats
     assert stats.drafts_accepted > 0 and stats.mean_acceptance_length > 1.25
     if k > 1:

@@ -37,7 +37,7 @@ def test_state_after_j_accepted_equals_serial_decode(checkpoint, name):
         entry = ssm.offset[slot] + j
         torch.testing.assert_close(ssm.verify_conv[:, entry], ssm.conv[:, spare], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(ssm.verify_state[:, entry], ssm.state[:, spare], atol=2e-5, rtol=1e-4)
-    ssm.commit(slot, 3)
+    ssm.commit([slot], [3])
     assert torch.equal(ssm.state[:, slot], ssm.verify_state[:, ssm.offset[slot] + 3])
 
 
