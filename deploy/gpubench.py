@@ -160,7 +160,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts, args,
                 options: dict) -> dict:
-    """tokens/s per method per batch size, each after a short warm-up run at that batch size."""
+    """tokens/s per method per batch size, each after a warm-up run of the same length."""
     out = {}
     top = max(args.batch_sizes)
     for spec in methods:
@@ -174,7 +174,9 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
                   drafter=drafter if method == "dflash" else None, **options)
         runs = {}
         for b in args.batch_sizes:
-            decode_run(llm, prompts[:b], 8)
+            # a whole run first: Triton compiles kernels for shapes as they first appear, and
+            # the draft policy settles on this batch size's k
+            decode_run(llm, prompts[:b], args.new_tokens)
             runs[b] = decode_run(llm, prompts[:b], args.new_tokens)
             note(f"  {spec} batch {b}: {runs[b]['tokens_per_s']:.1f} tokens/s")
         out[spec] = runs
