@@ -9,7 +9,8 @@ from torch import nn
 
 from metrale.drafting.proposer import (CommittedRows, HeldRows, Proposal, ProposeRequest,
                                        ProposerError, in_batches, masked_argmax)
-from metrale.workers.batch import ForwardBatch
+from metrale.workers.batch import ForwardBatch, SeqRows
+from metrale.workers.cuda_graphs import bucket_for, buckets_up_to, capture
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.models.decoder import CausalLM, DecoderLayer, fuse_projections
@@ -53,7 +54,7 @@ class MTPProposer:
 
     def __init__(self, target: CausalLM, tensors: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, num_slots: int, confidence_threshold: float | None = None,
-                 max_batch: int = 64, backend: str = "torch"):
+                 max_batch: int = 64, backend: str = "torch", graphs: bool = False):
         cfg = target.config
         if cfg.mtp_num_hidden_layers < 1 or not tensors:
             raise ProposerError("speculative method 'mtp' needs the checkpoint's MTP layer: "
@@ -86,12 +87,17 @@ class MTPProposer:
         self.held = HeldRows()
         # a draft whose probability is below the threshold ends its chain (the first is always kept)
         self.threshold = math.log(confidence_threshold) if confidence_threshold else None
+        # greedy chains without a threshold replay a CUDA graph (the spare KV block takes the
+        # writes of padding rows and of positions past a sequence's blocks)
+        self.graphs = (MTPGraphs(self, max_batch, num_blocks - 1)
+                       if graphs and backend == "triton" and self.threshold is None else None)
 
     @classmethod
     def from_worker(cls, target, mtp_tensors, num_blocks, block_size, num_slots,
-                    mtp_confidence_threshold=None, propose_batch_max=64, backend="torch", **_):
+                    mtp_confidence_threshold=None, propose_batch_max=64, backend="torch",
+                    cuda_graphs=False, **_):
         return cls(target, mtp_tensors, num_blocks, block_size, num_slots,
-                   mtp_confidence_threshold, propose_batch_max, backend)
+                   mtp_confidence_threshold, propose_batch_max, backend, cuda_graphs)
 
     def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         model = self.target.model
@@ -119,6 +125,12 @@ class MTPProposer:
         return in_batches(requests, self.max_batch, self._propose_batch)
 
     def _propose_batch(self, requests: list[ProposeRequest]) -> list[Proposal]:
+        if self.graphs is not None and not any(r.allowed for r in requests):
+            k = max(r.num_drafts for r in requests)
+            tokens, logp = self.graphs.run(requests, k)
+            tokens, logp = tokens.tolist(), logp.tolist()   # the one host sync of a proposal
+            return [Proposal(tokens[i][:r.num_drafts], logp[i][:r.num_drafts])
+                    for i, r in enumerate(requests)]
         proposals = [Proposal([]) for _ in requests]
         hidden = self.stash[[r.slot for r in requests]]
         active = list(range(len(requests)))
@@ -153,3 +165,67 @@ class MTPProposer:
             hidden = self._run(batch, hidden[next_rows])
             active = still
         return proposals
+
+
+class MTPGraphs:
+    """CUDA graphs of greedy MTP chains per batch bucket and k: k argmaxes over the target's
+    lm_head and the k - 1 MTP layer runs between them, positions and KV slots computed on the
+    device from static inputs (each row's slot, stashed position and block table)."""
+
+    def __init__(self, proposer: MTPProposer, max_batch: int, spare_block: int):
+        self.p, self.spare = proposer, spare_block
+        self.buckets = buckets_up_to(max_batch)
+        cfg, device = proposer.target.config, proposer.stash.device
+        width = -(-cfg.max_position_embeddings // proposer.block_size)
+        n = self.buckets[-1]
+        self.slots = torch.zeros(n, dtype=torch.long, device=device)
+        self.last = torch.zeros(n, dtype=torch.long, device=device)   # stashed row's position
+        self.tables = torch.full((n, width), spare_block, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.pool = None
+
+    def run(self, requests: list[ProposeRequest], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft tokens and log-probabilities [len(requests), k], on the device."""
+        n, p = len(requests), self.p
+        bucket = bucket_for(self.buckets, n)
+        width = max(len(r.block_table) for r in requests)
+        tables = torch.full((bucket, width), self.spare, dtype=torch.int32)
+        for i, r in enumerate(requests):
+            tables[i, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+        rows = torch.tensor([[r.slot for r in requests] + [0] * (bucket - n),
+                             [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)])
+        self.slots[:bucket].copy_(rows[0])
+        self.last[:bucket].copy_(rows[1])
+        self.tables[:bucket].fill_(self.spare)
+        self.tables[:bucket, :width].copy_(tables)
+        if (bucket, k) not in self.graphs:
+            self.graphs[bucket, k] = self._capture(bucket, k)
+        graph, tokens, logp = self.graphs[bucket, k]
+        graph.replay()
+        return tokens[:n], logp[:n]
+
+    def _capture(self, bucket: int, k: int):
+        graph, out = capture(lambda: self._chain(bucket, k), self.pool)
+        self.pool = graph.pool()
+        return graph, *out
+
+    def _chain(self, n: int, k: int):
+        p, bs = self.p, self.p.block_size
+        tables, device = self.tables[:n], self.slots.device
+        hidden = p.stash[self.slots[:n]]
+        ones = torch.ones(n, dtype=torch.int32, device=device)
+        q_start = torch.arange(n, dtype=torch.int32, device=device)
+        seqs = [SeqRows(i, 1, 0, None, -1) for i in range(n)]
+        tokens, logps = [], []
+        for step in range(k):
+            top = torch.log_softmax(p.target.lm_head(p.head.norm.fused(hidden)).float(), -1).max(-1)
+            tokens.append(top.indices)
+            logps.append(top.values)
+            if step == k - 1:
+                break
+            pos = self.last[:n] + step + 1
+            block = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long()
+            batch = ForwardBatch(top.indices, pos, block * bs + pos % bs, seqs, bs, q_start, ones,
+                                 pos.int(), tables, None, backend="triton")
+            hidden = p._run(batch, hidden)
+        return torch.stack(tokens, 1), torch.stack(logps, 1)

@@ -339,3 +339,48 @@ def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint):
                                w.backend)
     logits = w.model.logits(w.model(batch, w.kv, w.ssm)[0]).cpu()
     assert rel_err(logits, checkpoints.reference_logits(model_dir, ids)) < 1e-2
+
+
+class _Replayed:
+    """Stands in for a CUDA graph off the GPU: each replay reruns the step and copies its
+    results into the tensors the capture returned, as a replay rewrites them."""
+
+    def __init__(self, step, out):
+        self.step, self.out = step, out
+
+    def replay(self):
+        for static, fresh in zip(self.out, self.step()):
+            static.copy_(fresh)
+
+    def pool(self):
+        return None
+
+
+def test_mtp_chain_graphs_draft_what_the_eager_chain_drafts(checkpoint, monkeypatch):
+    """MTP proposals from the captured chain (per batch bucket and k) equal the eager chain's,
+    for sequences asking different numbers of drafts and a batch that needs padding rows."""
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    from metrale.drafting import mtp
+    from metrale.drafting.proposer import ProposeRequest
+    if DEVICE == "cpu":
+        monkeypatch.setattr(mtp, "capture", lambda step, pool: (_Replayed(step, out := step()), out))
+    llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="float32", block_size=4,
+              attention_backend="triton", cuda_graphs=False, speculative_method="mtp",
+              num_drafts=3, adaptive_drafts=False)
+    proposer = llm.worker.proposer
+    ids = [llm.add_request(llm.encode(p), SamplingParams(max_tokens=12, temperature=0,
+                                                         ignore_eos=True))
+           for p in ["def schedule(self, tokens):", "The café engine", "x"]]
+    seqs = [llm.scheduler.by_request[i][0] for i in ids]
+    while min(len(s.output_ids) for s in seqs) < 6:
+        llm.step()
+    requests = [ProposeRequest(s.slot, s.num_computed, s.tokens[-1], k, list(s.block_table),
+                               s.tokens) for s, k in zip(seqs, (3, 1, 2))]
+    eager = proposer.propose(requests)
+    graphs = mtp.MTPGraphs(proposer, 4, llm.worker.kv.num_blocks - 1)
+    tokens, logp = graphs.run(requests, 3)
+    for i, (r, e) in enumerate(zip(requests, eager)):
+        assert tokens[i, :r.num_drafts].tolist() == e.tokens
+        assert logp[i, :r.num_drafts].tolist() == pytest.approx(e.confidence, abs=1e-5)
+    assert set(graphs.graphs) == {(4, 3)}
