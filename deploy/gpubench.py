@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt tokens (default 512, bundled model 256; --small: 32)")
     p.add_argument("--iters", type=int, default=20, help="timed forwards per forward-cost figure")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="engine runs per method and batch size, taken in turns (the median counts)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -160,26 +162,36 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
 
 def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts, args,
                 options: dict) -> dict:
-    """tokens/s per method per batch size, each after a warm-up run of the same length."""
-    out = {}
+    """tokens/s per method per batch size. Every method's engine is built first; at each batch
+    size each one runs once to warm up (Triton compiles kernels for shapes as they first appear,
+    the draft policy settles on the batch size's k), then the methods take turns `args.repeat`
+    times and each keeps its median run, so the machine's drifts hit all methods alike."""
     top = max(args.batch_sizes)
+    engines = {}
     for spec in methods:
         method, _, most = spec.partition("@")   # ngram@7: at most 7 drafts per round
-        llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
-                  kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
-                                                 args.prompt_len + args.new_tokens + MAX_VERIFY),
-                  # prefill in steps of at most 16K tokens bounds activation memory at batch 64
-                  max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
-                  speculative_method=method, num_drafts=int(most) if most else None,
-                  drafter=drafter if method == "dflash" else None, **options)
-        runs = {}
-        for b in args.batch_sizes:
-            # a whole run first: Triton compiles kernels for shapes as they first appear, and
-            # the draft policy settles on this batch size's k
+        engines[spec] = LLM(
+            model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
+            kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
+                                           args.prompt_len + args.new_tokens + MAX_VERIFY),
+            # prefill in steps of at most 16K tokens bounds activation memory at batch 64
+            max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
+            speculative_method=method, num_drafts=int(most) if most else None,
+            drafter=drafter if method == "dflash" else None, **options)
+    out: dict[str, dict] = {spec: {} for spec in methods}
+    for b in args.batch_sizes:
+        for llm in engines.values():
             decode_run(llm, prompts[:b], args.new_tokens)
-            runs[b] = decode_run(llm, prompts[:b], args.new_tokens)
-            note(f"  {spec} batch {b}: {runs[b]['tokens_per_s']:.1f} tokens/s")
-        out[spec] = runs
+        runs: dict[str, list] = {spec: [] for spec in methods}
+        for _ in range(args.repeat):
+            for spec, llm in engines.items():
+                runs[spec].append(decode_run(llm, prompts[:b], args.new_tokens))
+        for spec, these in runs.items():
+            these.sort(key=lambda r: r["tokens_per_s"])
+            out[spec][b] = these[len(these) // 2]
+            each = ", ".join(f"{r['tokens_per_s']:.0f}" for r in these)
+            note(f"  {spec} batch {b}: {out[spec][b]['tokens_per_s']:.1f} tokens/s (runs {each})")
+    for llm in engines.values():
         release(llm)
     return out
 
