@@ -505,12 +505,15 @@ def run(args) -> int:
     bandwidth = copy_bandwidth(args.device, copy_size)
     note(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({copy_size >> 20} MiB copies)")
     models = {}
-    for path in args.merge:
-        models.update(int_keys(json.loads(Path(path).read_text()))["models"])
+    for path in args.merge:   # each model keeps the commit and date it was measured at
+        earlier = int_keys(json.loads(Path(path).read_text()))
+        for name, m in earlier["models"].items():
+            models[name] = {"commit": earlier["commit"], "date": earlier["date"], **m}
     for name in [m for m in args.models.split(",") if m]:
         t = time.perf_counter()
         models[name] = bench_model(name, args, options, bandwidth)
         models[name]["seconds"] = round(time.perf_counter() - t, 1)
+        models[name]["commit"] = git_commit()
         note(f"{name}: done in {models[name]['seconds']}s")
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
