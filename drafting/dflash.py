@@ -250,6 +250,13 @@ class DFlashGraphs:
         self.graphs: dict[int, tuple] = {}
         self.pool = None
 
+    def capture_all(self, max_drafts: int) -> None:
+        """Every bucket's graph (a block's drafts do not depend on max_drafts)."""
+        self.inputs.zero_()
+        for bucket in reversed(self.buckets):
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
+
     def run(self, slots, pending, positions, lens):
         n = slots.shape[0]
         bucket = bucket_for(self.buckets, n)

@@ -184,6 +184,17 @@ class MTPGraphs:
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = None
 
+    def capture_all(self, max_drafts: int) -> None:
+        """Every bucket's chain for k = 1..max_drafts (a capture met while serving would
+        stall its round: kernels compile for the chain's shapes), over the spare block."""
+        self.slots.zero_()
+        self.last.zero_()
+        self.tables.fill_(self.spare)
+        for k in range(1, max_drafts + 1):
+            for bucket in reversed(self.buckets):
+                if (bucket, k) not in self.graphs:
+                    self.graphs[bucket, k] = self._capture(bucket, k)
+
     def run(self, requests: list[ProposeRequest], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens and log-probabilities [len(requests), k], on the device."""
         n, p = len(requests), self.p

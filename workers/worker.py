@@ -134,6 +134,8 @@ class Worker:
             start = time.perf_counter()
             lengths = [1] + ([k + 1 for k in range(1, config.max_drafts + 1)] if p else [])
             self.graphs.capture_all(lengths, verify=cfg.is_hybrid)
+            if p is not None and getattr(p, "graphs", None) is not None:   # MTP, DFlash
+                p.graphs.capture_all(config.max_drafts)
             log.info("captured %d CUDA graphs in %.1fs", len(self.graphs.graphs),
                      time.perf_counter() - start)
         log.info("worker on %s: %s", self.device, self.memory_report())
