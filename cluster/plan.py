@@ -27,6 +27,7 @@ class SeqWork:
 @dataclass
 class StepPlan:
     work: list[SeqWork]
+    planned_at: float = 0.0    # the scheduler's time.perf_counter() when it began the plan
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -135,6 +136,7 @@ class Scheduler:
     def schedule(self, max_seqs: int | None = None) -> StepPlan:
         """The next step for sequences not in flight (at most `max_seqs` of them); they are in
         flight until `update` takes the plan's result."""
+        planned_at = time.perf_counter()
         budget = self.config.max_num_batched_tokens
         room = max_seqs or self.config.max_num_seqs
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
@@ -179,7 +181,8 @@ class Scheduler:
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
         self.in_flight.update(seq.seq_id for seq, _, _ in chosen)
         pad = self._pad_depth(chosen)
-        return StepPlan([self._work(seq, n, k, pad.get(seq.seq_id, 0)) for seq, n, k in chosen])
+        return StepPlan([self._work(seq, n, k, pad.get(seq.seq_id, 0)) for seq, n, k in chosen],
+                        planned_at)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Commits a step's outcome; returns the sequences that produced tokens."""
@@ -187,7 +190,6 @@ class Scheduler:
         by_id = {s.seq_id: s for s in self.running}
         outcomes = {o.seq_id: o for o in result.outcomes}
         touched = []
-        self._measure(plan, result, outcomes)
         for w in plan.work:
             seq = by_id.get(w.seq_id)
             if seq is None:                    # aborted while the step ran
@@ -208,6 +210,7 @@ class Scheduler:
                     seq.logprobs.append(TokenLogprob(token, lp.logprob, list(lp.top)))
                 self._append_token(seq, token)
             touched.append(seq)
+        self._measure(plan, result, outcomes)
         return touched
 
     def forget(self, plan: StepPlan) -> None:
@@ -265,14 +268,17 @@ class Scheduler:
     def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict) -> None:
         """Feeds the draft policy a step's acceptance, and its time when every sequence of it
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
-        asked for: one the proposer did not make gains no token, like a rejected one."""
+        asked for: one the proposer did not make gains no token, like a rejected one. The time
+        runs from planning to the end of this update, so it holds the host's work per step and
+        per token (planning, transport, detokenising, stop checks) beside the worker's."""
         if not self.num_drafts:
             return
         self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
+            span = time.perf_counter() - plan.planned_at if plan.planned_at else 0.0
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
-                                    result.propose_s, result.forward_s)
+                                    result.propose_s, max(result.forward_s, span - result.propose_s))
 
     @staticmethod
     def _draft_limit(requested: int, capacity: WorkerCapacity) -> int:

@@ -185,6 +185,22 @@ def test_the_scheduler_stops_drafting_when_the_policy_says_so(checkpoint):
     assert set(s.drafts.costs[2]) == {0, 1, 4}
 
 
+def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):
+    """Host time around the worker's (planning, transport, detokenising) counts in the step."""
+    import time
+    s = scheduler(checkpoint, (4, 4), num_drafts=4)
+    for i in range(2):
+        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    step(s)
+    for _ in range(2):   # the k's warm-up round, then a measured one
+        plan = s.schedule()
+        time.sleep(0.05)
+        s.update(plan, StepResult([SeqOutcome(w.seq_id, [7], w.num_drafts, 0) for w in plan.work],
+                                  0.001, 0.002))
+    cost = s.drafts.costs[2][4]
+    assert cost.samples == 1 and cost.propose_s == 0.001 and cost.forward_s >= 0.049
+
+
 def test_fixed_drafts_switch(checkpoint):
     s = scheduler(checkpoint, (4,), num_drafts=3, adaptive_drafts=False)
     s.add_request("r", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
