@@ -1,0 +1,94 @@
+"""Where an engine step's time goes on the bundled model, per phase (meant for a GPU; runs on CPU).
+
+    python3 scripts/stepprof.py ngram:3:32 mtp:3:1 none:0:64     # METHOD:DRAFTS:BATCH ...
+
+Each spec decodes BATCH held-out prompts together for 128 tokens with every round carrying
+DRAFTS drafts (adaptive draft length off), twice (the first run compiles and captures). It prints
+the steps' total and median milliseconds, the slowest four, the worker's phases (propose, target
+forward, verdicts, SSM commit, drafter commit; each timed between device syncs, so their sum is
+above an unprofiled step's), and how many forwards could not replay a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from metrale.cluster.params import SamplingParams
+from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
+from metrale.deploy.gpubench import bundled_prompts, kv_bytes_needed
+from metrale.deploy.llm import LLM
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(phases: dict, name: str, fn):
+    def run(*args, **kwargs):
+        sync()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        phases.setdefault(name, []).append((time.perf_counter() - start) * 1e3)
+        return out
+    return run
+
+
+def profile(method: str, drafts: int, batch: int, prompts) -> None:
+    llm = LLM(str(BUNDLED_MODEL), max_num_seqs=64, speculative_method=method,
+              kv_cache_bytes=kv_bytes_needed(str(BUNDLED_MODEL), "auto", 64, 400),
+              num_drafts=drafts or None, adaptive_drafts=False,
+              drafter=str(BUNDLED_DFLASH) if method == "dflash" else None)
+    w, phases, eager = llm.worker, {}, []
+    forward = w._forward
+
+    def watched(batch_):
+        if w.graphs is not None and not w.graphs.eligible(batch_):
+            eager.append(len(batch_.seqs))
+        return forward(batch_)
+    w._forward = timed(phases, "forward", watched)
+    w._propose = timed(phases, "propose", w._propose)
+    w._verdicts = timed(phases, "verdicts", w._verdicts)
+    if w.proposer:
+        w.proposer.commit = timed(phases, "drafter commit", w.proposer.commit)
+    if w.ssm is not None:
+        w.ssm.commit = timed(phases, "ssm commit", w.ssm.commit)
+    sched = llm.scheduler
+    for run in range(2):
+        ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+               for p in prompts[:batch]]
+        while sched.waiting or any(not s.output_ids for s in sched.running):
+            llm.step()
+        phases.clear()
+        eager.clear()
+        steps = []
+        while sched.has_work:
+            start = time.perf_counter()
+            llm.step()
+            sync()
+            steps.append((time.perf_counter() - start) * 1e3)
+        for i in ids:
+            sched.pop_finished(i)
+        print(f"{method}:{drafts}:{batch} run {run}: {len(steps)} steps, {sum(steps):.0f} ms, "
+              f"median {statistics.median(steps):.2f}, slowest {[round(x, 1) for x in sorted(steps)[-4:]]}")
+        for name, ms in phases.items():
+            print(f"   {name:15s} {sum(ms):7.1f} ms in {len(ms)}, median {statistics.median(ms):.3f}, "
+                  f"max {max(ms):.1f}")
+        print(f"   forwards without a graph: {len(eager)} (batch sizes {eager[:8]})")
+    llm.close()
+
+
+def main() -> None:
+    prompts = bundled_prompts(BUNDLED_MODEL, 64, 256)
+    for spec in sys.argv[1:]:
+        method, drafts, batch = spec.split(":")
+        profile(method, int(drafts), int(batch), prompts)
+
+
+if __name__ == "__main__":
+    main()
