@@ -34,15 +34,26 @@ class Proposal:
 
 @dataclass
 class CommittedRows:
-    """Rows of the last target forward that are now part of one sequence: the drafter's input."""
+    """Rows of the last target forward that are now part of one sequence: the drafter's input.
+    Their hidden states are sliced out of the step's tensors only when read, so rows a drafter
+    merely holds (HeldRows) cost no tensor operation."""
     slot: int
     start: int                  # absolute position of the first row
     tokens: list[int]           # the rows' input tokens
     next_tokens: list[int]      # the token after each row (the last one: sampled or looked ahead)
-    hidden: torch.Tensor        # [rows, hidden] target hidden states before the final norm
-    captured: list[torch.Tensor]  # [rows, hidden] per capture layer
+    step_hidden: torch.Tensor   # [step rows, hidden] target hidden states before the final norm
+    step_captured: list[torch.Tensor]  # [step rows, hidden] per capture layer
+    rows: slice                 # this sequence's rows of the step
     block_table: list[int]
     fresh: bool                 # the sequence's first rows: forget what the slot held before
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.step_hidden[self.rows]
+
+    @property
+    def captured(self) -> list[torch.Tensor]:
+        return [c[self.rows] for c in self.step_captured]
 
 
 HOLD_ROWS = 64   # committed rows a slot may hold back before its drafter catches up anyway
@@ -86,7 +97,7 @@ def _joined(rows: list[CommittedRows]) -> CommittedRows:
                          [t for r in rows for t in r.next_tokens],
                          torch.cat([r.hidden for r in rows]),
                          [torch.cat(layer) for layer in zip(*(r.captured for r in rows))],
-                         rows[-1].block_table, rows[0].fresh)
+                         slice(None), rows[-1].block_table, rows[0].fresh)
 
 
 class Proposer(Protocol):

@@ -372,6 +372,6 @@ class Worker:
         tokens = w.tokens + accepted_drafts
         last_next = outcome.tokens[-1] if outcome else w.next_token
         assert last_next is not None, "a prefill chunk that does not sample carries next_token"
-        sl = slice(rows.start, rows.start + n)
-        return CommittedRows(w.slot, w.context_len, tokens, tokens[1:] + [last_next], hidden[sl],
-                             [c[sl] for c in captured], w.block_table, w.context_len == 0)
+        return CommittedRows(w.slot, w.context_len, tokens, tokens[1:] + [last_next], hidden,
+                             captured, slice(rows.start, rows.start + n), w.block_table,
+                             w.context_len == 0)
