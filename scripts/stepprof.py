@@ -1,9 +1,10 @@
 """Where an engine step's time goes on the bundled model, per phase (meant for a GPU; runs on CPU).
 
-    python3 scripts/stepprof.py ngram:3:32 mtp:3:1 none:0:64     # METHOD:DRAFTS:BATCH ...
+    python3 scripts/stepprof.py ngram:3:32 mtp:a3:1 none:0:64     # METHOD:DRAFTS:BATCH ...
 
 Each spec decodes BATCH held-out prompts together for 128 tokens with every round carrying
-DRAFTS drafts (adaptive draft length off), twice (the first run compiles and captures). It prints
+DRAFTS drafts (adaptive draft length off), or with `aK` at most K drafts chosen by the draft
+policy (then the rounds' ks are printed too), twice (the first run compiles and captures). It prints
 the steps' total and median milliseconds, the slowest four, the worker's phases (propose, target
 forward, verdicts, SSM commit, drafter commit; each timed between device syncs, so their sum is
 above an unprofiled step's), and how many forwards could not replay a CUDA graph.
@@ -39,10 +40,11 @@ def timed(phases: dict, name: str, fn):
     return run
 
 
-def profile(method: str, drafts: int, batch: int, prompts) -> None:
+def profile(method: str, drafts: str, batch: int, prompts) -> None:
+    adaptive = drafts.startswith("a")
     llm = LLM(str(BUNDLED_MODEL), max_num_seqs=64, speculative_method=method,
               kv_cache_bytes=kv_bytes_needed(str(BUNDLED_MODEL), "auto", 64, 400),
-              num_drafts=drafts or None, adaptive_drafts=False,
+              num_drafts=int(drafts.lstrip("a")) or None, adaptive_drafts=adaptive,
               drafter=str(BUNDLED_DFLASH) if method == "dflash" else None)
     w, phases, eager = llm.worker, {}, []
     forward = w._forward
@@ -66,12 +68,13 @@ def profile(method: str, drafts: int, batch: int, prompts) -> None:
             llm.step()
         phases.clear()
         eager.clear()
-        steps = []
+        steps, ks = [], []
         while sched.has_work:
             start = time.perf_counter()
             llm.step()
             sync()
             steps.append((time.perf_counter() - start) * 1e3)
+            ks.append(str(sched.drafts.last_k) if adaptive else "")
         for i in ids:
             sched.pop_finished(i)
         print(f"{method}:{drafts}:{batch} run {run}: {len(steps)} steps, {sum(steps):.0f} ms, "
@@ -80,6 +83,8 @@ def profile(method: str, drafts: int, batch: int, prompts) -> None:
             print(f"   {name:15s} {sum(ms):7.1f} ms in {len(ms)}, median {statistics.median(ms):.3f}, "
                   f"max {max(ms):.1f}")
         print(f"   forwards without a graph: {len(eager)} (batch sizes {eager[:8]})")
+        if adaptive:
+            print(f"   ks {''.join(ks)}\n   policy {sched.drafts.as_dict()}")
     llm.close()
 
 
@@ -87,7 +92,7 @@ def main() -> None:
     prompts = bundled_prompts(BUNDLED_MODEL, 64, 256)
     for spec in sys.argv[1:]:
         method, drafts, batch = spec.split(":")
-        profile(method, int(drafts), int(batch), prompts)
+        profile(method, drafts, int(batch), prompts)
 
 
 if __name__ == "__main__":
