@@ -8,7 +8,8 @@ PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured..
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
 DECAY = 0.95         # per step that observes a position: its history's weight halves in ~14 steps
 COST_DECAY = 0.8     # weight of the old average when a (batch bucket, k) step time is measured
-COST_CLIP = 3.0      # a step time above 3x the average counts as 3x (a stall, not the k's cost)
+COST_CLIP = 3.0      # a step time above 3x the average counts as 3x (a stall, not the k's cost);
+                     # one below a third of it replaces it (the average held a stall)
 PROBE_EVERY = 8      # a round in 8 runs a neighbour of the best k, so its figures stay current...
 PROBE_MOST = 64      # ...a round in up to 64 while probes keep confirming the best k
 
@@ -23,7 +24,8 @@ class StepCost:
     """Decaying averages of one (batch bucket, k)'s propose and target forward + verify seconds.
     The first round of a (batch bucket, k) pays one-time costs (kernels compiled for its shapes,
     CUDA graphs captured on first use), so its figures are replaced by the second round's and
-    only count from then on (`samples`)."""
+    only count from then on (`samples`). A stall that lands in the second round anyway (a kernel
+    compiled for a shape seen first then) is replaced by the first round three times faster."""
     propose_s: float
     forward_s: float
     samples: int = 1
@@ -37,6 +39,10 @@ class StepCost:
             self.propose_s, self.forward_s, self.samples = propose_s, forward_s, 1
             return
         over = (propose_s + forward_s) / (COST_CLIP * self.seconds) if self.seconds else 0.0
+        if over < 1 / COST_CLIP ** 2:
+            self.propose_s, self.forward_s = propose_s, forward_s
+            self.samples += 1
+            return
         if over > 1:
             propose_s, forward_s = propose_s / over, forward_s / over
         self.propose_s = COST_DECAY * self.propose_s + (1 - COST_DECAY) * propose_s

@@ -130,6 +130,10 @@ def test_a_ks_first_round_is_a_warm_up_and_a_stall_counts_as_three_times_the_ave
     assert policy.costs[1][2].seconds == pytest.approx(0.005)
     policy.record_cost(1, 2, 0.010, 0.040)        # a stall: counted as 0.015
     assert policy.costs[1][2].seconds == pytest.approx(0.8 * 0.005 + 0.2 * 0.015)
+    stalled = DraftPolicy(2)
+    for seconds in (0.5, 0.4, 0.004):             # warm-up, a second stall, then the real cost
+        stalled.record_cost(1, 2, 0.0, seconds)
+    assert stalled.costs[1][2].seconds == pytest.approx(0.004)
 
 
 def test_fixed_mode_always_answers_num_drafts():
