@@ -20,6 +20,17 @@ def proposal_for(llm: LLM, seq, k: int):
     return llm.worker.proposer.propose([req])[0]
 
 
+def proposal_after_prefill(model_dir, kw: dict, seq, k: int = 3):
+    """The proposal of a new engine that prefilled `seq`'s tokens, its pending one left out."""
+    fresh = LLM(model_dir, **kw)
+    rid = fresh.add_request(seq.tokens[:-1], GREEDY)
+    seq2 = fresh.scheduler.by_request[rid][0]
+    while not seq2.output_ids:
+        fresh.step()
+    assert seq2.tokens == seq.tokens
+    return proposal_for(fresh, seq2, k)
+
+
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5-vl"])
 def test_drafter_state_after_partial_acceptance_equals_fresh_prefill(
@@ -50,14 +61,7 @@ def test_drafter_state_after_partial_acceptance_equals_fresh_prefill(
     assert seq.spec.drafts_accepted == seq.spec.rounds      # partial: 1 of 3 each round
     llm.worker.proposer.propose = real_propose
     after_rounds = proposal_for(llm, seq, 3)
-
-    fresh = LLM(model_dir, **kw)
-    rid2 = fresh.add_request(seq.tokens[:-1], GREEDY)
-    seq2 = fresh.scheduler.by_request[rid2][0]
-    while not seq2.output_ids:
-        fresh.step()
-    assert seq2.tokens == seq.tokens
-    after_prefill = proposal_for(fresh, seq2, 3)
+    after_prefill = proposal_after_prefill(model_dir, kw, seq)
     assert after_rounds.tokens == after_prefill.tokens
     assert after_rounds.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
 
@@ -75,12 +79,7 @@ def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
     a = proposal_for(llm, seq, 3)   # the drafter catches up on the rows it holds
     assert llm.worker.proposer.ctx_len[seq.slot] == 8
     # A fresh prefill of the same tokens keeps the same last 8 rows: the same proposal.
-    fresh = LLM(model_dir, **kw)
-    rid2 = fresh.add_request(seq.tokens[:-1], GREEDY)
-    seq2 = fresh.scheduler.by_request[rid2][0]
-    while not seq2.output_ids:
-        fresh.step()
-    b = proposal_for(fresh, seq2, 3)
+    b = proposal_after_prefill(model_dir, kw, seq)
     assert a.tokens == b.tokens and a.confidence == pytest.approx(b.confidence, abs=1e-4)
 
 
@@ -106,12 +105,6 @@ def test_drafter_catches_up_on_rows_held_through_rounds_without_drafts(
     assert 0 < held.count[seq.slot] <= limit
     after_rounds = proposal_for(llm, seq, 3)
     assert seq.slot not in held.held
-
-    fresh = LLM(model_dir, **kw)
-    rid2 = fresh.add_request(seq.tokens[:-1], GREEDY)
-    seq2 = fresh.scheduler.by_request[rid2][0]
-    while not seq2.output_ids:
-        fresh.step()
-    after_prefill = proposal_for(fresh, seq2, 3)
+    after_prefill = proposal_after_prefill(model_dir, kw, seq)
     assert after_rounds.tokens == after_prefill.tokens
     assert after_rounds.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
