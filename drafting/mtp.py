@@ -200,9 +200,9 @@ class MTPGraphs:
         n, p = len(requests), self.p
         bucket = bucket_for(self.buckets, n)
         width = max(len(r.block_table) for r in requests)
-        tables = torch.full((bucket, width), self.spare, dtype=torch.int32)
-        for i, r in enumerate(requests):
-            tables[i, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
+        tables = torch.tensor([list(r.block_table) + [self.spare] * (width - len(r.block_table))
+                               for r in requests] + [[self.spare] * width] * (bucket - n),
+                              dtype=torch.int32)
         rows = torch.tensor([[r.slot for r in requests] + [0] * (bucket - n),
                              [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)])
         self.slots[:bucket].copy_(rows[0])

@@ -197,11 +197,11 @@ class Worker:
         drafts = self._propose(plan.work)
         drafts = self.tp.agree(drafts) if drafts else drafts
         proposed = time.perf_counter()
-        rows = [self._rows(w, drafts) for w in plan.work]
-        verifying = {w.seq_id for w, r in zip(plan.work, rows) if len(r) > len(w.tokens)}
+        chunks = [self._rows(w, drafts) for w in plan.work]
+        verifying = {w.seq_id for w, c in zip(plan.work, chunks) if len(c) > len(w.tokens)}
         batch = ForwardBatch.build(
-            [(r, w.context_len, w.block_table, w.slot, w.seq_id in verifying and self.ssm is not None)
-             for w, r in zip(plan.work, rows)],
+            [(c, w.context_len, w.block_table, w.slot, w.seq_id in verifying and self.ssm is not None)
+             for w, c in zip(plan.work, chunks)],
             self.config.block_size, self.device, self.backend)
         hidden, captured, logits = self._forward(batch)
         verdicts = self._verdicts(plan.work, batch, drafts, hidden, logits)
