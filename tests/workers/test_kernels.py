@@ -378,6 +378,8 @@ def test_mtp_chain_graphs_draft_what_the_eager_chain_drafts(checkpoint, monkeypa
     requests = [ProposeRequest(s.slot, s.num_computed, s.tokens[-1], k, list(s.block_table),
                                s.tokens) for s, k in zip(seqs, (3, 1, 2))]
     eager = proposer.propose(requests)
+    # the last block, far past the three sequences' few, stands in for the spare one
+    assert all(llm.worker.kv.num_blocks - 1 not in s.block_table for s in seqs)
     graphs = mtp.MTPGraphs(proposer, 4, llm.worker.kv.num_blocks - 1)
     tokens, logp = graphs.run(requests, 3)
     for i, (r, e) in enumerate(zip(requests, eager)):
