@@ -73,18 +73,20 @@ class BlockManager:
             self.ref_count[b] = 1
             table.append(b)
 
-    def register(self, table: list[int], tokens: list[int], num_computed: int) -> None:
-        """Publishes the sequence's full, computed blocks to the prefix cache."""
+    def register(self, table: list[int], first: int, tokens: list[int], parent: bytes = b"") -> bytes:
+        """Publishes full, computed blocks of a sequence to the prefix cache: blocks `first`,
+        `first + 1`, ... holding `tokens` (whole blocks), `parent` being the hash of the blocks
+        before `first`. Returns the hash after the last, for the next call to go on from."""
         if not self.prefix_caching:
-            return
-        parent = b""
-        for i in range(num_computed // self.block_size):
-            b = table[i]
-            parent = self.hash_of.get(b) or block_hash(
-                parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            return parent
+        bs = self.block_size
+        for j in range(len(tokens) // bs):
+            b = table[first + j]
+            parent = self.hash_of.get(b) or block_hash(parent, tokens[j * bs:(j + 1) * bs])
             if b not in self.hash_of and parent not in self.block_of:
                 self.hash_of[b] = parent
                 self.block_of[parent] = b
+        return parent
 
     def free_table(self, table: list[int]) -> None:
         for b in reversed(table):  # the tail first, so shared prefix blocks are evicted last

@@ -197,7 +197,7 @@ class Scheduler:
             outcome = outcomes.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
             seq.num_computed = w.context_len + len(w.tokens) + accepted
-            self.blocks.register(seq.block_table, seq.tokens, seq.num_computed)
+            self._publish(seq)
             if outcome is None:
                 continue
             seq.spec.record(outcome.proposed, accepted)
@@ -225,6 +225,15 @@ class Scheduler:
                                                       self.capacity.eos_token_ids)
         return self._grammar_compiler
 
+    def _publish(self, seq: Sequence) -> None:
+        """Offers the sequence's newly full, computed blocks to the prefix cache."""
+        full, bs = seq.num_computed // self.capacity.block_size, self.capacity.block_size
+        if full > seq.published:
+            seq.published_hash = self.blocks.register(
+                seq.block_table, seq.published, seq.tokens_between(seq.published * bs, full * bs),
+                seq.published_hash)
+            seq.published = full
+
     def _pad_depth(self, chosen: list[tuple[Sequence, int, int]]) -> dict[int, int]:
         """With a padding worker, a round of decoding sequences only: each sequence given fewer
         drafts than the round's deepest (tokens left, or none) verifies filler up to that depth
@@ -250,10 +259,10 @@ class Scheduler:
         p = seq.params
         spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed,
                             len(seq.output_ids), p.logprobs) if samples else None
-        tokens = seq.tokens
-        return SeqWork(seq.seq_id, tokens[start:start + n], start, list(seq.block_table),
-                       seq.slot, spec, prompt_len=len(seq.prompt_ids), num_drafts=k, pad_to=pad_to,
-                       next_token=None if samples else tokens[start + n],
+        return SeqWork(seq.seq_id, seq.tokens_between(start, start + n), start,
+                       list(seq.block_table), seq.slot, spec, prompt_len=len(seq.prompt_ids),
+                       num_drafts=k, pad_to=pad_to,
+                       next_token=None if samples else seq.tokens_between(start + n, start + n + 1)[0],
                        grammar=p.grammar, constraint=p.constraint)
 
     def _drafts_for(self, seq: Sequence, k: int, room: int) -> int:
@@ -332,6 +341,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.blocks.free_table(seq.block_table)
+        seq.published, seq.published_hash = 0, b""
         if seq.slot >= 0:
             self.slots.release(seq.slot)
         seq.slot = -1

@@ -38,6 +38,8 @@ class Sequence:
     finish_reason: str | None = None
     num_computed: int = 0         # tokens whose K/V and SSM state are in the caches
     block_table: list[int] = field(default_factory=list)
+    published: int = 0            # leading full blocks offered to the prefix cache...
+    published_hash: bytes = b""   # ...and the hash chain's value after them
     slot: int = -1
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
@@ -46,6 +48,15 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """tokens[start:end], without building the whole list."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,26 @@ def test_prefix_reuses_blocks_and_keeps_output(checkpoint):
     assert ref.token_ids == checkpoints.reference_greedy(model_dir, second, 24)
 
 
+def test_blocks_filled_while_decoding_are_published_as_they_fill(checkpoint):
+    """Each step offers only the blocks that became full; a follow-up turn whose prompt is the
+    first turn's prompt and output finds every full block of both cached."""
+    llm = LLM(checkpoint("qwen3"), device="cpu", block_size=4)
+    prompt = llm.encode("def schedule(self, tokens):")
+    rid = llm.add_request(prompt, GREEDY)
+    seq = llm.scheduler.by_request[rid][0]
+    table = []
+    while llm.scheduler.has_work:
+        llm.step()
+        if seq.block_table:
+            table = list(seq.block_table)
+            assert seq.published == seq.num_computed // 4
+    out = llm.finished_output(rid)
+    follow_up = prompt + out.token_ids + llm.encode(" more")
+    cached = llm.scheduler.blocks.cached_prefix(follow_up)
+    full = (len(prompt) + len(out.token_ids) - 1) // 4   # the last token never ran as an input
+    assert len(cached) == full and cached == table[:full]
+
+
 def test_hybrid_models_do_not_share_kv_blocks(checkpoint):
     llm = LLM(checkpoint("qwen3_5"), device="cpu", block_size=4)
     assert not llm.scheduler.blocks.prefix_caching
@@ -51,7 +71,8 @@ def test_block_manager_reference_counts():
     tokens = [1, 2, 3, 4, 5]
     t1: list[int] = []
     assert bm.allocate(t1, tokens, 5) == 0 and len(t1) == 3 and bm.num_free == 5
-    bm.register(t1, tokens, 5)
+    assert bm.register(t1, 0, tokens[:2]) == bm.hash_of[t1[0]]    # one block, then the next:
+    bm.register(t1, 1, tokens[2:4], bm.hash_of[t1[0]])             # the same as both at once
     t2: list[int] = []
     assert bm.can_allocate(tokens, 5)
     assert bm.allocate(t2, tokens, 5) == 4          # two full blocks shared
