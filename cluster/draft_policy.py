@@ -35,18 +35,14 @@ class StepCost:
         return self.propose_s + self.forward_s
 
     def add(self, propose_s: float, forward_s: float) -> None:
-        if not self.samples:
-            self.propose_s, self.forward_s, self.samples = propose_s, forward_s, 1
-            return
         over = (propose_s + forward_s) / (COST_CLIP * self.seconds) if self.seconds else 0.0
-        if over < 1 / COST_CLIP ** 2:
+        if not self.samples or over < 1 / COST_CLIP ** 2:   # a warm-up's figures, or a stall's
             self.propose_s, self.forward_s = propose_s, forward_s
-            self.samples += 1
-            return
-        if over > 1:
-            propose_s, forward_s = propose_s / over, forward_s / over
-        self.propose_s = COST_DECAY * self.propose_s + (1 - COST_DECAY) * propose_s
-        self.forward_s = COST_DECAY * self.forward_s + (1 - COST_DECAY) * forward_s
+        else:
+            if over > 1:
+                propose_s, forward_s = propose_s / over, forward_s / over
+            self.propose_s = COST_DECAY * self.propose_s + (1 - COST_DECAY) * propose_s
+            self.forward_s = COST_DECAY * self.forward_s + (1 - COST_DECAY) * forward_s
         self.samples += 1
 
 
