@@ -77,7 +77,7 @@ class HeldRows:
                 self.held[r.slot], self.count[r.slot] = [], 0
             self.held.setdefault(r.slot, []).append(r)
             self.count[r.slot] = self.count.get(r.slot, 0) + len(r.tokens)
-        return self.take([slot for slot, n in self.count.items() if n > self.limit])
+        return self.take([r.slot for r in rows if self.count[r.slot] > self.limit])
 
     def take(self, slots) -> list[CommittedRows]:
         """The slots' held rows, one contiguous CommittedRows per slot that holds any."""
