@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from metrale.workers.ssm_pool import SSMSlotPool
 SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-2b": QWEN3_5_2B}
 SMALL_SHAPES = {"qwen3-8b": QWEN3_SMALL, "qwen3.5-2b": QWEN3_5_SMALL}
 MAX_VERIFY = 15                     # the deepest verify timed (rows = k + 1)
+METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?")    # ngram, ngram@7 (at most 7), ngram=3 (always 3)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--methods", default="none,mtp,dflash,ngram",
                    help="proposers timed on the bundled model or a given directory ('none': "
-                        "plain; 'ngram@7': at most 7 drafts a round instead of the default)")
+                        "plain; 'ngram@7': at most 7 drafts a round instead of the default; "
+                        "'ngram=3': exactly 3 every round, no adaptive draft length)")
     p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
     p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
@@ -169,14 +172,15 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     top = max(args.batch_sizes)
     engines = {}
     for spec in methods:
-        method, _, most = spec.partition("@")   # ngram@7: at most 7 drafts per round
+        method, how, k = METHOD.fullmatch(spec).groups()
         engines[spec] = LLM(
             model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
             kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
                                            args.prompt_len + args.new_tokens + MAX_VERIFY),
             # prefill in steps of at most 16K tokens bounds activation memory at batch 64
             max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
-            speculative_method=method, num_drafts=int(most) if most else None,
+            speculative_method=method, num_drafts=int(k) if k else None,
+            adaptive_drafts=how != "=",
             drafter=drafter if method == "dflash" else None, **options)
     out: dict[str, dict] = {spec: {} for spec in methods}
     for b in args.batch_sizes:
@@ -488,6 +492,9 @@ def run(args) -> int:
     args.batch_sizes, args.hf_batch_sizes = ints(args.batch_sizes), ints(args.hf_batch_sizes)
     args.verify_ks = [k for k in ints(args.verify_ks) if k <= MAX_VERIFY]
     args.methods = [m for m in args.methods.split(",") if m]
+    for m in args.methods:
+        if not METHOD.fullmatch(m):
+            raise SystemExit(f"--methods: {m!r} is not METHOD, METHOD@K or METHOD=K")
     args.new_tokens = args.new_tokens or (16 if args.small else 128)
     options = {}
     if args.attention_backend:

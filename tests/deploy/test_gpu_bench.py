@@ -18,6 +18,7 @@ def test_bench_small_on_cpu(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["bench", "--small", "--device", "cpu", "--batch-sizes", "1,2", "--iters", "3",
                  "--new-tokens", "12", "--ckpt-dir", str(tmp_path / "ckpt"),
+                 "--methods", "none,mtp=2,dflash=3,ngram=3,ngram@7",
                  "--attention-backend", "torch", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
@@ -31,17 +32,21 @@ def test_bench_small_on_cpu(tmp_path, capsys):
         assert all(v > 0 for v in forward["decode_ms"].values())
         assert set(forward["verify_ms_batch1"]) == {"1", "3", "7", "15"}
         assert all(v > 0 for v in forward["verify_over_decode_batch1"].values())
-        methods = ["none", "mtp", "dflash", "ngram"] if name == "bundled" else ["none"]
+        methods = ["none", "mtp=2", "dflash=3", "ngram=3", "ngram@7"] if name == "bundled" \
+            else ["none"]
         assert list(m["engine"]) == methods
         for method, runs in m["engine"].items():
             assert set(runs) == {"1", "2"}
             for run in runs.values():
                 assert run["tokens_per_s"] > 0 and run["ms_per_step"] > 0 and run["tokens"] > 0
+                proposed = run["spec"]["drafts_proposed"]
                 if method == "none":
-                    assert run["acceptance"] is None
-                else:
-                    assert 0 <= run["acceptance"] <= 1
-                    assert 1 <= run["mean_acceptance_length"] <= 8   # DFlash: block size 8
+                    assert run["acceptance"] is None and proposed == 0
+                elif method in ("mtp=2", "dflash=3"):   # a fixed k: every round carries drafts
+                    assert proposed > 0 and 0 <= run["acceptance"] <= 1
+                    assert 1 <= run["mean_acceptance_length"] <= int(method[-1]) + 1
+                else:   # n-gram drafts only where a suffix matched; the policy may pick k = 0
+                    assert (run["acceptance"] is None) == (proposed == 0)
         assert m["hf_generate"]["1"]["tokens_per_s"] > 0
     targets = {t["target"]: t for t in report["targets"]}
     assert len(targets) == 13
