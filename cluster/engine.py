@@ -51,6 +51,7 @@ class Lane:
     state: str = UP       # up, reviving (its worker restarts), or down for good
     restarts: int = 0
     in_flight: set = field(default_factory=set)   # its steps' tasks, sent and not yet taken
+    last: asyncio.Task | None = None               # the step task sent last
 
     @property
     def busy(self) -> bool:
@@ -181,11 +182,14 @@ class ReplicaEngine:
     # -- the step loop of one worker --------------------------------------------------------
 
     def steps_in_flight(self, lane: Lane) -> int:
-        """Plans a worker holds at once. On a CPU a step of half the sequences costs about half a
-        step of all, so two halves alternate and the worker never waits for the next plan; on a
-        GPU a smaller batch costs almost as much as a full one, so one plan at a time."""
+        """Plans a worker holds at once. Planned ahead (plain decoding), the second plan carries
+        the same sequences one token on, so the worker never waits for the next plan. Otherwise
+        two plans must split the sequences: on a CPU a step of half the sequences costs about
+        half a step of all, so two halves alternate; on a GPU a smaller batch costs almost as
+        much as a full one, so one plan at a time."""
         configured = self.config.steps_in_flight
-        return configured or (1 if lane.executor.capacity.on_gpu else 2)
+        on_gpu = lane.executor.capacity.on_gpu
+        return configured or (1 if on_gpu and not lane.scheduler.plans_ahead else 2)
 
     async def _serve(self, lane: Lane) -> None:
         """Keeps the worker's queue full: up to `steps_in_flight` plans of disjoint sequences are
@@ -200,20 +204,23 @@ class ReplicaEngine:
                 plan = scheduler.schedule(scheduler.share(depth))
                 if not plan.work:
                     break
-                lane.in_flight.add(asyncio.create_task(self._step(lane, scheduler, plan)))
+                lane.last = asyncio.create_task(self._step(lane, scheduler, plan, lane.last))
+                lane.in_flight.add(lane.last)
 
-    async def _step(self, lane: Lane, scheduler: Scheduler, plan) -> None:
+    async def _step(self, lane: Lane, scheduler: Scheduler, plan, before) -> None:
         """Executes one plan and streams its tokens; then the lane plans again. A result that
         arrives after the lane's requests moved elsewhere (its worker was lost) is dropped."""
         try:
-            await self._execute(lane, scheduler, plan)
+            await self._execute(lane, scheduler, plan, before)
         finally:
             lane.in_flight.discard(asyncio.current_task())
             lane.wake.set()
 
-    async def _execute(self, lane: Lane, scheduler: Scheduler, plan) -> None:
+    async def _execute(self, lane: Lane, scheduler: Scheduler, plan, before) -> None:
         try:
             result = await lane.executor.execute(plan)
+            if before is not None:   # results are taken in the order sent: a plan made ahead
+                await asyncio.wait([before])   # extends the sequences its predecessor did
         except WorkerLost as e:
             if lane.scheduler is scheduler:
                 self._lost(lane, str(e))

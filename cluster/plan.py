@@ -8,10 +8,14 @@ from metrale.cluster.params import GrammarSpec
 from metrale.workers.sampler import SamplingSpec, TokenConstraint
 
 
+AHEAD = -1   # a row's token that the worker sampled for the sequence in the plan before this one
+
+
 @dataclass
 class SeqWork:
     seq_id: int
     tokens: list[int]          # the rows to run: a prefill chunk, or the one pending token
+                               # ([AHEAD] when planned before the previous step's result)
     context_len: int           # tokens already in the caches (absolute position of tokens[0])
     block_table: list[int]
     slot: int                  # the sequence's slot: SSM state, verify pool, drafter state

@@ -15,7 +15,7 @@ from metrale.cluster.block_manager import BlockManager, SlotAllocator
 from metrale.cluster.detokenizer import IncrementalDetokenizer
 from metrale.cluster.draft_policy import DraftPolicy
 from metrale.cluster.params import RequestError, SamplingParams
-from metrale.cluster.plan import SeqWork, StepPlan, StepResult, WorkerCapacity
+from metrale.cluster.plan import AHEAD, SeqWork, StepPlan, StepResult, WorkerCapacity
 from metrale.cluster.sequence import Sequence, Status, TokenLogprob
 from metrale.drafting.grammar import grammar_compiler
 from metrale.drafting.stats import SpecStats
@@ -35,7 +35,8 @@ class SchedulerConfig:
     prefix_caching: bool = True         # only used for models without linear-attention layers
     num_drafts: int = 0                 # drafts per speculative round (0: no speculation)
     adaptive_drafts: bool = True        # num_drafts is the most; each round's k is measured best
-    steps_in_flight: int | None = None  # per worker; None: 2 on a CPU worker, 1 on a GPU worker
+    steps_in_flight: int | None = None  # per worker; None: 2 (1 on a GPU not planning ahead)
+    plan_ahead: bool = True             # without drafts, plan a decode step before the last's result
 
 
 class Scheduler:
@@ -56,7 +57,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_request: dict[str, list[Sequence]] = {}
-        self.in_flight: set[int] = set()   # ids of sequences in a plan whose result is pending
+        # sequence id -> plans holding it whose results are pending (two: one planned ahead)
+        self.in_flight: dict[int, int] = {}
+        # Plain decoding needs no verdict to plan the next step: the worker fills in the token
+        # it sampled the step before (AHEAD), so a worker holding two plans runs whole batches.
+        self.plans_ahead = config.plan_ahead and not self.num_drafts
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
@@ -125,8 +130,9 @@ class Scheduler:
 
     def share(self, steps_in_flight: int) -> int | None:
         """Sequences per plan when `steps_in_flight` plans alternate on the worker: an equal part
-        of the sequences it runs or will (None: no limit)."""
-        if steps_in_flight == 1:
+        of the sequences it runs or will; None (no limit) when the plans follow each other over
+        the same sequences, planned ahead."""
+        if steps_in_flight == 1 or self.plans_ahead:
             return None
         active = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
         return max(1, -(-active // steps_in_flight))
@@ -179,10 +185,38 @@ class Scheduler:
         if not self.capacity.ragged_drafts:   # one k for the whole round: the smallest
             k_min = min((k for _, n, k in chosen if k), default=0)
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
-        self.in_flight.update(seq.seq_id for seq, _, _ in chosen)
         pad = self._pad_depth(chosen)
-        return StepPlan([self._work(seq, n, k, pad.get(seq.seq_id, 0)) for seq, n, k in chosen],
-                        planned_at)
+        work = [self._work(seq, n, k, pad.get(seq.seq_id, 0)) for seq, n, k in chosen]
+        if self.plans_ahead:
+            work += self._ahead(min(room - len(work), budget))
+        for seq, _, _ in chosen:
+            self.in_flight[seq.seq_id] = 1
+        return StepPlan(work, planned_at)
+
+    def _ahead(self, room: int) -> list[SeqWork]:
+        """Decode steps for sequences whose one step in flight samples their next token: the
+        row is that token (AHEAD), which the worker fills in from the step before, since it runs
+        plans in order. A sequence whose token in flight ends it by length is not planned; one
+        that the token ends otherwise (EOS, a stop) wastes the row, whose output is dropped.
+        Never preempts: a sequence without a free block for the row waits for its result."""
+        work = []
+        for seq in self.running:
+            if len(work) == room:
+                break
+            if (self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1
+                    or seq.params.grammar is not None or seq.params.constraint is not None
+                    or len(seq.output_ids) + 1 >= seq.params.max_tokens
+                    or seq.num_tokens + 1 >= self.max_model_len
+                    or not self.blocks.can_append(seq.block_table, seq.num_tokens + 1)):
+                continue
+            self.blocks.append(seq.block_table, seq.num_tokens + 1)
+            self.in_flight[seq.seq_id] = 2
+            p = seq.params
+            spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed,
+                                len(seq.output_ids) + 1, p.logprobs)
+            work.append(SeqWork(seq.seq_id, [AHEAD], seq.num_tokens, list(seq.block_table),
+                                seq.slot, spec, prompt_len=len(seq.prompt_ids)))
+        return work
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Commits a step's outcome; returns the sequences that produced tokens."""
@@ -215,7 +249,10 @@ class Scheduler:
 
     def forget(self, plan: StepPlan) -> None:
         """The plan's sequences are no longer in flight (its result is in, or will never come)."""
-        self.in_flight.difference_update(w.seq_id for w in plan.work)
+        for w in plan.work:
+            left = self.in_flight.pop(w.seq_id, 0) - 1
+            if left > 0:
+                self.in_flight[w.seq_id] = left
 
     # -- internals --------------------------------------------------------------------------
 

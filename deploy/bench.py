@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="in-process/HTTP pairs per concurrency (a shared machine is noisy)")
     p.add_argument("--steps-in-flight", type=int, default=None,
                    help="plans the serving worker holds at once (default: the config's, 2 on CPU)")
+    p.add_argument("--no-plan-ahead", action="store_true",
+                   help="plans in flight split the sequences instead of running them ahead")
     p.add_argument("--cpus", type=int, default=max(1, os.cpu_count() - 1),
                    help="torch threads of the worker in both runs (default: all cores but one, "
                         "which the serving processes need)")
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.cpus)   # as many threads as the Ray worker gets
     llm = LLM(args.model, device="cpu")
     config = MetraleConfig(model=args.model, device="cpu", cpus_per_worker=args.cpus,
-                           port=args.port, steps_in_flight=args.steps_in_flight)
+                           port=args.port, steps_in_flight=args.steps_in_flight,
+                           plan_ahead=not args.no_plan_ahead)
     ray.init(namespace=NAMESPACE, num_cpus=max(args.cpus, os.cpu_count()), log_to_driver=False,
              include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"model {args.model}; {args.rounds} requests per client of {args.max_tokens} tokens, "
           f"greedy; HTTP {'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
-          f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}; "
+          f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}"
+          f"{' (split, not ahead)' if args.no_plan_ahead else ''}; "
           f"{args.repeat} pairs per concurrency")
     print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}  "
           f"pairs' ratios")

@@ -77,9 +77,13 @@ class MetraleConfig(BaseModel):
     prefix_caching: bool = Field(True, description="Share KV blocks of common prompt prefixes "
                                  "(models without linear-attention layers or per-row drafters).")
     steps_in_flight: int | None = Field(None, ge=1, le=4, description="Plans a worker holds at "
-                                        "once, each for its share of the running sequences, so it "
-                                        "never waits for the next; default: 2 on a CPU worker, 1 "
-                                        "on a GPU worker.")
+                                        "once, so it never waits for the next: the same sequences "
+                                        "planned ahead (plain decoding), else each plan for its "
+                                        "share of them; default: 2, but 1 on a GPU worker that "
+                                        "does not plan ahead.")
+    plan_ahead: bool = Field(True, description="Without drafts, plan a sequence's next decode step "
+                             "before the current one's result; the worker fills in the token it "
+                             "sampled. Off: plans in flight split the sequences.")
 
     # -- the cluster
     replicas: int = Field(1, ge=1, description="Model replicas (data parallel); each has its own "
@@ -185,7 +189,8 @@ class MetraleConfig(BaseModel):
         """Drafts per round are filled in from the workers' proposer (ReplicaEngine.build)."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                self.prefix_caching, adaptive_drafts=self.adaptive_drafts,
-                               steps_in_flight=self.steps_in_flight)
+                               steps_in_flight=self.steps_in_flight,
+                               plan_ahead=self.plan_ahead)
 
     def replica_spec(self, cluster_gpus: float) -> ReplicaSpec:
         gpus = self.gpus_per_worker if self.gpus_per_worker is not None else float(cluster_gpus > 0)

@@ -176,7 +176,12 @@ class OpenAIServer:
         self._startup = asyncio.get_running_loop().create_task(self._start())
 
     async def _start(self) -> None:
-        spec = self.config.replica_spec(ray.cluster_resources().get("GPU", 0))
+        try:
+            spec = self.config.replica_spec(ray.cluster_resources().get("GPU", 0))
+        except Exception as e:   # else /health would say "loading" for ever
+            self.startup_error = f"startup failed: {e!r}"
+            log.exception("startup failed")
+            return
         started = await asyncio.gather(
             *(start_replica(spec, i) for i in range(self.config.replicas)), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from metrale.cluster.plan import SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs, WorkerCapacity
+from metrale.cluster.plan import (AHEAD, SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs,
+                                  WorkerCapacity)
 from metrale.drafting.grammar import grammar_compiler
 from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
 from metrale.drafting.rejection import greedy_verdict, verify_drafts
@@ -125,6 +127,7 @@ class Worker:
         self._grammar_compiler = None
         self.prompt_len = [0] * slots
         self.stats = SpecStats()
+        self._sampled: dict[int, int] = {}   # seq id -> the token its latest step sampled
         self.graphs = GraphRunner(
             self.model, self.kv, self.ssm, slots, config.max_drafts + 1 if p else 1,
             -(-cfg.max_position_embeddings // config.block_size),
@@ -191,23 +194,24 @@ class Worker:
         if not plan.work:
             return StepResult()
         start = time.perf_counter()
-        self._track_history(plan.work)
+        work = self._fill_ahead(plan.work)
+        self._track_history(work)
         # Whether there are drafts or verdicts at all follows from the plan alone, so every rank
         # takes rank 0's, or none has any.
-        drafts = self._propose(plan.work)
+        drafts = self._propose(work)
         drafts = self.tp.agree(drafts) if drafts else drafts
         proposed = time.perf_counter()
-        chunks = [self._rows(w, drafts) for w in plan.work]
-        verifying = {w.seq_id for w, c in zip(plan.work, chunks) if len(c) > len(w.tokens)}
+        chunks = [self._rows(w, drafts) for w in work]
+        verifying = {w.seq_id for w, c in zip(work, chunks) if len(c) > len(w.tokens)}
         batch = ForwardBatch.build(
             [(c, w.context_len, w.block_table, w.slot, w.seq_id in verifying and self.ssm is not None)
-             for w, c in zip(plan.work, chunks)],
+             for w, c in zip(work, chunks)],
             self.config.block_size, self.device, self.backend)
         hidden, captured, logits = self._forward(batch)
-        verdicts = self._verdicts(plan.work, batch, drafts, hidden, logits)
+        verdicts = self._verdicts(work, batch, drafts, hidden, logits)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed, verified = [], [], ([], [])
-        for w, rows in zip(plan.work, batch.seqs):
+        for w, rows in zip(work, batch.seqs):
             d = drafts.get(w.seq_id, [])
             outcome = verdicts.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
@@ -225,7 +229,22 @@ class Worker:
             self.ssm.commit(*verified)
         if self.proposer:
             self.proposer.commit(committed)
+        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
+
+    def _fill_ahead(self, work: list[SeqWork]) -> list[SeqWork]:
+        """Rows planned ahead (AHEAD) take the token this worker sampled for their sequence in
+        the step before, the plan the scheduler sent just before this one. The tokens are taken
+        once: a step that fails leaves none for the next."""
+        sampled, self._sampled = self._sampled, {}
+        if not any(w.tokens[0] == AHEAD for w in work):
+            return work
+        missing = [w.seq_id for w in work if w.tokens[0] == AHEAD and w.seq_id not in sampled]
+        if missing:
+            raise RuntimeError(f"sequences {missing} were planned ahead, but the step before "
+                               f"sampled no token for them")
+        return [replace(w, tokens=[sampled[w.seq_id]])
+                if w.tokens[0] == AHEAD else w for w in work]
 
     @torch.inference_mode()
     def time_forward(self, batch_size: int, rows: int, context_len: int, iters: int = 20) -> float:
@@ -312,21 +331,28 @@ class Worker:
 
     def _verdicts(self, work: list[SeqWork], batch: ForwardBatch, drafts: dict[int, list[int]],
                   hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[int, SeqOutcome]:
-        """The outcome of every sampling sequence, by id. Without a CUDA graph each sequence's
-        logits come from its own lm_head call, so they do not depend on which other sequences
-        share the step (a graph computes every row's logits in one GEMM)."""
-        verdicts, greedy = {}, []
+        """The outcome of every sampling sequence, by id. Logits are one lm_head GEMM over the
+        rows read: a CUDA graph computed every row's; otherwise those of each sampling sequence's
+        pending token and drafts (filler rows after them are not read) are gathered first."""
+        sampled = []   # (work, drafts, first row of the pending token and the drafts)
         for w, rows in zip(work, batch.seqs):
             if w.sample:
                 d = drafts.get(w.seq_id, [])
-                # the pending token's row and the drafts' (filler rows after them are not read)
-                first = rows.start + len(w.tokens) - 1
-                at = slice(first, first + len(d) + 1)
-                rows_logits = logits[at] if logits is not None else self.model.logits(hidden[at])
-                if w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None:
-                    greedy.append((w, d, rows_logits))
-                else:
-                    verdicts[w.seq_id] = self._accept(w, d, rows_logits)
+                sampled.append((w, d, rows.start + len(w.tokens) - 1))
+        if not sampled:
+            return {}
+        if logits is None:
+            index = [i for _, d, first in sampled for i in range(first, first + len(d) + 1)]
+            logits = self.model.logits(hidden[torch.tensor(index, device=hidden.device)])
+            starts = itertools.accumulate((len(d) + 1 for _, d, _ in sampled), initial=0)
+            sampled = [(w, d, at) for (w, d, _), at in zip(sampled, starts)]
+        verdicts, greedy = {}, []
+        for w, d, first in sampled:
+            rows_logits = logits[first:first + len(d) + 1]
+            if w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None:
+                greedy.append((w, d, rows_logits))
+            else:
+                verdicts[w.seq_id] = self._accept(w, d, rows_logits)
         if greedy:   # plain greedy sequences: every argmax at once, one host sync
             best = torch.cat([g[2] for g in greedy]).argmax(-1).tolist()
             first = 0

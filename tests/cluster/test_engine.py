@@ -5,6 +5,7 @@ each other."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,7 @@ from conftest import PROMPTS
 from metrale.cluster.engine import ReplicaEngine
 from metrale.cluster.executor import LocalExecutor
 from metrale.cluster.params import SamplingParams
+from metrale.cluster.plan import AHEAD
 from metrale.cluster.scheduler import SchedulerConfig
 from metrale.deploy.llm import LLM, load_tokenizer
 from metrale.workers.worker import Worker, WorkerConfig
@@ -197,6 +199,7 @@ class RecordingExecutor(LocalExecutor):
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_plans_in_flight_hold_disjoint_halves_and_keep_the_output(checkpoint, depth):
+    """Without planning ahead (as with drafts), two plans in flight split the sequences."""
     model_dir = checkpoint("qwen3")
     config = dict(block_size=4, max_num_seqs=8)
     llm = LLM(model_dir, device="cpu", **config)
@@ -207,7 +210,8 @@ def test_plans_in_flight_hold_disjoint_halves_and_keep_the_output(checkpoint, de
     async def run():
         executor = RecordingExecutor(Worker(WorkerConfig(str(model_dir), "cpu", **config)))
         eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8,
-                                                              steps_in_flight=depth),
+                                                              steps_in_flight=depth,
+                                                              plan_ahead=False),
                                   None, load_tokenizer(model_dir))
         assert eng.steps_in_flight(eng.lanes[0]) == depth
         eng.start()
@@ -224,12 +228,84 @@ def test_plans_in_flight_hold_disjoint_halves_and_keep_the_output(checkpoint, de
         assert len(ids) <= -(-len(prompts) // depth)
 
 
+class PlanLog(LocalExecutor):
+    """A real worker that keeps every plan it is sent, in order."""
+
+    def __init__(self, worker):
+        super().__init__(worker)
+        self.plans = []
+
+    async def execute(self, plan):
+        self.plans.append(plan)
+        return await super().execute(plan)
+
+
+def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint):
+    """Plain decoding with two plans in flight: the second plan carries the same sequences one
+    token ahead (the worker fills in the token it sampled). Greedy and seeded sampled outputs,
+    n > 1, a stop token hit while a step ahead flies, and max_tokens all come out as `generate`
+    makes them, and every block and slot is free at the end."""
+    model_dir = checkpoint("qwen3_5")
+    config = dict(block_size=4, max_num_seqs=8)
+    llm = LLM(model_dir, device="cpu", **config)
+    prompts = [llm.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    stop_at = llm.generate(prompts[:1], greedy)[0].completions[0].token_ids[5]
+    requests = [(prompts[0], SamplingParams(max_tokens=14, temperature=0, stop_token_ids=(stop_at,))),
+                (prompts[1], SamplingParams(max_tokens=9, temperature=0.9, seed=7, n=2,
+                                            ignore_eos=True)),
+                (prompts[2], greedy),
+                (prompts[3], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))]
+    expected = [[c.token_ids for c in llm.generate([ids], params)[0].completions]
+                for ids, params in requests]
+    assert len(expected[0][0]) == 6   # it stopped at its stop token, 8 tokens before max_tokens
+
+    async def run():
+        executor = PlanLog(Worker(WorkerConfig(str(model_dir), "cpu", **config)))
+        eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8, steps_in_flight=2),
+                                  None, load_tokenizer(model_dir))
+        eng.start()
+        outs = await asyncio.gather(*(collect(eng, f"r{i}", ids, params)
+                                      for i, (ids, params) in enumerate(requests)))
+        await eng.stop()
+        return executor, eng.lanes[0].scheduler, outs
+    executor, scheduler, outs = asyncio.run(run())
+    assert [[c["ids"] for c in o] for o in outs] == expected
+    ahead = [{w.seq_id for w in p.work if w.tokens == [AHEAD]} for p in executor.plans]
+    assert sum(map(len, ahead)) > 20   # most decode steps were planned ahead...
+    for before, plan, ids in zip(executor.plans, executor.plans[1:], ahead[1:]):
+        sampled = {w.seq_id for w in before.work if w.sample}
+        assert ids <= sampled and len(plan.work) == len({w.seq_id for w in plan.work})
+    assert max(len(p.work) for p in executor.plans) == 5   # ...over whole batches, not halves
+    assert scheduler.blocks.num_free == scheduler.blocks.num_blocks
+    assert scheduler.slots.num_free == scheduler.capacity.num_slots
+    assert not scheduler.in_flight and not scheduler.running and not scheduler.by_request
+
+
+def test_a_row_planned_ahead_runs_the_token_the_step_before_sampled(checkpoint):
+    from metrale.cluster.plan import SeqWork, StepPlan
+    from metrale.workers.sampler import SamplingSpec
+    config = WorkerConfig(str(checkpoint("qwen3")), "cpu", block_size=4, max_num_seqs=2)
+    worker, twin = Worker(config), Worker(config)
+    greedy = SamplingSpec(0.0, 1.0, 0, 0.0, 1, 0, None)
+    first = StepPlan([SeqWork(1, [5, 6, 7], 0, [0], 0, greedy)])
+    token, = worker.execute(first).outcomes[0].tokens
+    twin.execute(first)
+    ahead = StepPlan([SeqWork(1, [AHEAD], 3, [0], 0, replace(greedy, draw=1))])
+    spelled = StepPlan([SeqWork(1, [token], 3, [0], 0, replace(greedy, draw=1))])
+    assert worker.execute(ahead).outcomes[0].tokens == twin.execute(spelled).outcomes[0].tokens
+    worker.execute(StepPlan([SeqWork(2, [8, 9], 0, [1], 1, greedy)]))   # another sequence
+    later = StepPlan([SeqWork(1, [AHEAD], 4, [0, 2], 0, replace(greedy, draw=2))])
+    with pytest.raises(RuntimeError, match=r"sequences \[1\] were planned ahead"):
+        worker.execute(later)
+
+
 def test_preemption_never_takes_a_sequence_in_flight(checkpoint):
     from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
     from metrale.cluster.scheduler import Scheduler
     capacity = WorkerCapacity(num_blocks=4, block_size=4, num_slots=2, max_model_len=64,
                               vocab_size=384, eos_token_ids=(0,), hybrid=False)
-    s = Scheduler(SchedulerConfig(prefix_caching=False), capacity,
+    s = Scheduler(SchedulerConfig(prefix_caching=False, plan_ahead=False), capacity,
                   load_tokenizer(checkpoint("qwen3")))
     first, = s.add_request("a", [5] * 7, SamplingParams(max_tokens=8, ignore_eos=True))
     second, = s.add_request("b", [6] * 7, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -261,6 +337,6 @@ def test_a_failed_step_leaves_no_sequence_in_flight(checkpoint):
     llm.worker.execute = broken
     with pytest.raises(RuntimeError, match="the step failed"):
         llm.generate(PROMPTS[2:3], params)
-    assert llm.scheduler.in_flight == set()   # so the sequences can be planned again
+    assert not llm.scheduler.in_flight   # so the sequences can be planned again
     llm.worker.execute = execute
     assert [o.text for o in llm.generate(PROMPTS[:2], params)] == [o.text for o in want]

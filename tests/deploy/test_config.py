@@ -58,8 +58,10 @@ def test_gpu_kernel_settings_reach_the_worker(tmp_path, checkpoint):
 
 def test_steps_in_flight_reaches_the_scheduler_and_is_bounded(tmp_path, checkpoint):
     path = tmp_path / "pipe.yaml"
-    path.write_text(f"model: {checkpoint('qwen3')}\nsteps_in_flight: 1\n")
+    path.write_text(f"model: {checkpoint('qwen3')}\nsteps_in_flight: 1\nplan_ahead: false\n")
     assert MetraleConfig.from_yaml(path).scheduler_config().steps_in_flight == 1
+    assert MetraleConfig.from_yaml(path).scheduler_config().plan_ahead is False
+    assert MetraleConfig().scheduler_config().plan_ahead is True
     assert MetraleConfig.load(path).with_overrides(steps_in_flight=None) \
         .scheduler_config().steps_in_flight == 1   # an unset flag keeps the file's value
     assert MetraleConfig().scheduler_config().steps_in_flight is None   # per worker device
