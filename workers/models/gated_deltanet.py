@@ -28,18 +28,19 @@ def gated_delta_rule(q, k, v, g, beta, state, keep_states: bool = False):
     the state after every token [B, L, H, dk, dv].
     """
     q = l2norm(q.float()) * q.shape[-1] ** -0.5
-    k, v, g, beta = l2norm(k.float()), v.float(), g.float(), beta.float()
+    k, v, beta = l2norm(k.float()), v.float(), beta.float()
+    decay = g.float().exp()
     out = torch.empty_like(v)
-    states = [] if keep_states else None
+    states = v.new_empty(*k.shape, v.shape[-1]) if keep_states else None   # [B, L, H, dk, dv]
     for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]                    # S <- exp(g_t) S
+        state = state * decay[:, t, :, None, None]                        # S <- exp(g_t) S (a copy)
         kv_mem = (k[:, t].unsqueeze(-2) @ state).squeeze(-2)             # S^T k_t
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]                  # u_t
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]        # S <- S + k_t u_t^T
+        state.addcmul_(k[:, t, :, :, None], delta[:, :, None, :])         # S <- S + k_t u_t^T
         out[:, t] = (q[:, t].unsqueeze(-2) @ state).squeeze(-2)          # o_t = S^T q_t
         if keep_states:
-            states.append(state)
-    return out, state, (torch.stack(states, dim=1) if keep_states else None)
+            states[:, t] = state
+    return out, state, states
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
