@@ -20,7 +20,7 @@ from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.scheduler import SchedulerConfig
 from metrale.cluster.stream import Delta
 from metrale.cluster.wire import WireError, pack, unpack
-from metrale.workers.actor import NAMESPACE, ActorExecutor, start_worker
+from metrale.workers.actor import HOT_PATH, NAMESPACE, ActorExecutor, start_worker
 from metrale.workers.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,8 @@ async def start_replica(spec: ReplicaSpec, index: int, timeout_s: float = 600) -
                            f"{ray.cluster_resources()})")
     handle = ray.remote(SchedulerActor).options(
         name=scheduler_name(name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(spec, name, pg)
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+        runtime_env=HOT_PATH).remote(spec, name, pg)
     try:
         max_model_len = await handle.ready.remote()
     except Exception:

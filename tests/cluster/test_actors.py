@@ -4,6 +4,7 @@ by the scheduler actor over msgpack, with the same output as the in-process engi
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import ray
@@ -49,6 +50,9 @@ def test_workers_are_named_actors_packed_together(replica):
     table = placement_group_table(r.placement)
     assert table["strategy"] == "PACK" and table["state"] == "CREATED"
     assert list(table["bundles"].values()) == [{"CPU": 0.5}, {"CPU": 0.5}]
+    # a step's processes run at the default priority, not Ray's nice 15 for worker processes
+    for pid in ray.get(r.handle.worker_pids.remote()):
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 0
 
 
 def test_requests_through_the_scheduler_actor_match_in_process(replica):
