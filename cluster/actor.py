@@ -20,7 +20,7 @@ from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.scheduler import SchedulerConfig
 from metrale.cluster.stream import Delta
 from metrale.cluster.wire import WireError, pack, unpack
-from metrale.workers.actor import HOT_PATH, NAMESPACE, ActorExecutor, start_worker
+from metrale.workers.actor import NAMESPACE, ActorExecutor, start_worker
 from metrale.workers.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class SchedulerActor:
         self.engine: ReplicaEngine | None = None
         self._starting: asyncio.Future | None = None
         self.outboxes: dict[str, list[Delta]] = {}
+        # completions not streamed: those whose first delta went out, and their deltas since
+        self.started: set[tuple[str, int]] = set()
+        self.held: dict[tuple[str, int], Delta] = {}
         self.arrived: dict[str, asyncio.Event] = {}
         self.owners: dict[str, str] = {}          # request id -> consumer
         self.last_poll: dict[str, float] = {}     # consumer -> when it last polled
@@ -86,14 +89,16 @@ class SchedulerActor:
         return (await self._started()).max_model_len
 
     async def submit(self, consumer: str, request_id: str, prompt_ids: bytes,
-                     params: bytes) -> tuple[str, str] | None:
+                     params: bytes, whole: bool = False) -> tuple[str, str] | None:
         """Queues a request whose deltas go to `consumer`'s outbox; returns why it was refused
-        as (invalid | overloaded | unavailable, message)."""
+        as (invalid | overloaded | unavailable, message). A `whole` request (not streamed) gets
+        each completion's first delta at once and the rest merged into one, with its end."""
         engine = await self._started()
+        deliver = self._deliver_whole if whole else self._deliver
         try:
             engine.add_request(request_id, unpack(list[int], prompt_ids),
                                unpack(SamplingParams, params),
-                               functools.partial(self._deliver, consumer))
+                               functools.partial(deliver, consumer))
         except (RequestError, WireError) as e:
             return "invalid", str(e)
         except Overloaded as e:
@@ -107,6 +112,9 @@ class SchedulerActor:
     def abort(self, request_id: str) -> None:
         if self.engine is not None:
             self.engine.abort(request_id)
+        for key in [k for k in self.started if k[0] == request_id]:
+            self.started.discard(key)
+            self.held.pop(key, None)
 
     async def poll(self, consumer: str, aborts: list[str] = ()) -> bytes:
         """Aborts the consumer's requests in `aborts`, then returns its deltas since its last
@@ -182,6 +190,25 @@ class SchedulerActor:
         self.outboxes.setdefault(consumer, []).append(delta)
         self.arrived.setdefault(consumer, asyncio.Event()).set()
 
+    def _deliver_whole(self, consumer: str, delta: Delta) -> None:
+        """A completion that is not streamed: its first delta goes out at once (the consumer
+        times the first token by it), the later ones wait here, merged, until its last, so the
+        consumer is not woken every step."""
+        key = (delta.request_id, delta.index)
+        if key not in self.started:
+            if delta.finish_reason is None:
+                self.started.add(key)
+            self._deliver(consumer, delta)
+            return
+        held = self.held.pop(key, None)
+        if held is not None:
+            delta = held.extend(delta)
+        if delta.finish_reason is None:
+            self.held[key] = delta
+        else:
+            self.started.discard(key)
+            self._deliver(consumer, delta)
+
     async def _report_metrics(self) -> None:
         while True:
             self.metrics.report(self.engine.loads(), self.engine.spec_stats())
@@ -197,7 +224,7 @@ class SchedulerActor:
             if consumer in gone or request_id not in self.engine.streams:
                 del self.owners[request_id]
                 if consumer in gone:
-                    self.engine.abort(request_id)
+                    self.abort(request_id)
         for consumer in gone:
             log.warning("consumer %s stopped polling; its requests were aborted", consumer)
             for table in (self.last_poll, self.outboxes, self.arrived):
@@ -220,8 +247,7 @@ async def start_replica(spec: ReplicaSpec, index: int, timeout_s: float = 600) -
                            f"{ray.cluster_resources()})")
     handle = ray.remote(SchedulerActor).options(
         name=scheduler_name(name), namespace=NAMESPACE, num_cpus=0, max_restarts=-1,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-        runtime_env=HOT_PATH).remote(spec, name, pg)
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(spec, name, pg)
     try:
         max_model_len = await handle.ready.remote()
     except Exception:

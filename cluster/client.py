@@ -36,15 +36,16 @@ class ReplicaClient:
         """Requests this consumer has on the replica: the queue length the router balances."""
         return len(self.queues)
 
-    async def submit(self, request_id: str, prompt_ids: list[int],
-                     params: SamplingParams) -> "RequestStream":
-        """Queues the request; returns its deltas. Raises RequestError, Overloaded or Unavailable
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     whole: bool = False) -> "RequestStream":
+        """Queues the request; returns its deltas: with `whole` (not streamed), each completion's
+        first delta and then the rest as one. Raises RequestError, Overloaded or Unavailable
         when the replica refuses it (Unavailable too while the replica itself restarts)."""
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.queues[request_id] = queue
         try:
             refusal = await self.replica.handle.submit.remote(
-                self.consumer, request_id, pack(prompt_ids), pack(params))
+                self.consumer, request_id, pack(prompt_ids), pack(params), whole)
         except ray.exceptions.RayActorError as e:
             del self.queues[request_id]
             raise Unavailable(f"replica {self.replica.name} is restarting; retry") from e

@@ -22,6 +22,15 @@ class Delta:
     error: str | None = None
     error_type: str | None = None      # unavailable (retry later) or internal
 
+    def extend(self, later: "Delta") -> "Delta":
+        """This delta followed by a later one of the same completion, as one."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.finish_reason, self.spec = later.finish_reason, later.spec
+        self.error, self.error_type = later.error, later.error_type
+        return self
+
 
 class OutputStream:
     """Turns a request's sequences into deltas for `sink`, one per sequence that moved."""

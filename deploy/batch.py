@@ -110,7 +110,7 @@ class BatchRun:
                        attempt: int) -> dict:
         queues = [c.in_flight for c in self.clients]
         client = self.clients[self.router.choose(prompt, queues)]
-        stream = await client.submit(f"batch-{number}-{attempt}", prompt, params)
+        stream = await client.submit(f"batch-{number}-{attempt}", prompt, params, whole=True)
         builder = ResponseBuilder(False, self.model_name, self.tokenizer, params.n,
                                   len(prompt), False)
         async for delta in stream:

@@ -294,7 +294,7 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             for ids in prompts:
-                streams.append(await self._submit(ids, params))
+                streams.append(await self._submit(ids, params, whole=not req.stream))
         except BaseException:
             for s in streams:
                 s.close()
@@ -318,7 +318,8 @@ class OpenAIServer:
         note.completion_tokens = timer.count
         return JSONResponse(builder.response())
 
-    async def _submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def _submit(self, prompt_ids: list[int], params: SamplingParams,
+                      whole: bool) -> RequestStream:
         queues = [c.in_flight for c in self.clients]
         if min(queues) >= self.config.max_pending_requests:
             raise Overloaded(f"over capacity: every replica holds "
@@ -326,7 +327,7 @@ class OpenAIServer:
         pick = self.router.choose(prompt_ids, queues)
         if queues[pick] >= self.config.max_pending_requests:
             pick = queues.index(min(queues))
-        return await self.clients[pick].submit(uuid.uuid4().hex, prompt_ids, params)
+        return await self.clients[pick].submit(uuid.uuid4().hex, prompt_ids, params, whole)
 
     def _timed_out(self) -> HTTPError:
         return HTTPError(504, f"the request took longer than request_timeout_s="

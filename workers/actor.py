@@ -17,10 +17,6 @@ from metrale.workers.parallel import join_group, rendezvous_address
 from metrale.workers.worker import Worker, WorkerConfig
 
 NAMESPACE = "metrale"
-# Ray starts worker processes at nice 15, below its own daemons and any driver, which then take
-# the core from a step whenever they wake. The actors on a step's path (workers, schedulers) run
-# at the default priority instead, as Ray's job supervisor does.
-HOT_PATH = {"env_vars": {"RAY_worker_niceness": "0"}}
 PING_TIMEOUT_S = 10.0        # an idle worker that does not answer a ping within this is lost
 RESTART_POLL_S = 0.5
 SURVIVOR_PING_S = 2.0        # a surviving rank silent this long hangs in a broken collective
@@ -82,8 +78,7 @@ def start_worker(config: WorkerConfig, replica: str, rank: int, *, num_gpus: flo
     worker in the same bundle up to `max_restarts` times (-1: always)."""
     return ray.remote(WorkerActor).options(
         name=worker_name(replica, rank), namespace=NAMESPACE, num_gpus=num_gpus, num_cpus=num_cpus,
-        scheduling_strategy=placement, max_restarts=max_restarts,
-        runtime_env=HOT_PATH).remote(config, tp_rank)
+        scheduling_strategy=placement, max_restarts=max_restarts).remote(config, tp_rank)
 
 
 class ActorExecutor:
