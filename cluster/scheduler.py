@@ -211,11 +211,9 @@ class Scheduler:
                 continue
             self.blocks.append(seq.block_table, seq.num_tokens + 1)
             self.in_flight[seq.seq_id] = 2
-            p = seq.params
-            spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed,
-                                len(seq.output_ids) + 1, p.logprobs)
             work.append(SeqWork(seq.seq_id, [AHEAD], seq.num_tokens, list(seq.block_table),
-                                seq.slot, spec, prompt_len=len(seq.prompt_ids)))
+                                seq.slot, self._sampling(seq, len(seq.output_ids) + 1),
+                                prompt_len=len(seq.prompt_ids)))
         return work
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
@@ -294,13 +292,18 @@ class Scheduler:
         start = seq.num_computed
         samples = start + n == seq.num_tokens
         p = seq.params
-        spec = SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed,
-                            len(seq.output_ids), p.logprobs) if samples else None
+        spec = self._sampling(seq, len(seq.output_ids)) if samples else None
         return SeqWork(seq.seq_id, seq.tokens_between(start, start + n), start,
                        list(seq.block_table), seq.slot, spec, prompt_len=len(seq.prompt_ids),
                        num_drafts=k, pad_to=pad_to,
                        next_token=None if samples else seq.tokens_between(start + n, start + n + 1)[0],
                        grammar=p.grammar, constraint=p.constraint)
+
+    @staticmethod
+    def _sampling(seq: Sequence, draw: int) -> SamplingSpec:
+        """How the worker samples the sequence's output token number `draw`."""
+        p = seq.params
+        return SamplingSpec(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, draw, p.logprobs)
 
     def _drafts_for(self, seq: Sequence, k: int, room: int) -> int:
         """The round's k for one sequence: never more than its slot's verify capacity, the
