@@ -81,3 +81,9 @@ def test_random_hybrid_checkpoint_loads_in_transformers(tmp_path):
     ours, _ = load_model(path, "cpu", "float32")
     every = sum(p.numel() * 4 for p in ours.parameters())   # tied: the table is counted once
     assert weight_bytes(ours) == every
+
+
+def test_a_bad_method_spec_is_refused_by_name(tmp_path):
+    with pytest.raises(SystemExit, match=r"--methods: 'ngram@x' is not METHOD, METHOD@K or METHOD=K"):
+        main(["bench", "--small", "--device", "cpu", "--methods", "none,ngram@x",
+              "--out", str(tmp_path)])
