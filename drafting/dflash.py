@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.drafting.proposer import (CommittedRows, HeldRows, Proposal, ProposeRequest,
-                                       ProposerError, masked_argmax)
+                                       ProposerError, gather_rows, masked_argmax)
 from metrale.workers.models.config import read_json
 from metrale.workers.cuda_graphs import bucket_for, buckets_up_to, capture
 from metrale.workers.models import kernels
@@ -158,36 +158,48 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def _catch_up(self, rows: list[CommittedRows]) -> None:
-        """The draft layers' K/V of the rows' target features, appended to each slot's window."""
+        """The draft layers' K/V of the rows' target features, appended to each slot's window:
+        one projection over all the rows, one write into the windows for every slot whose rows
+        fit behind what it holds (a slot whose window overflows slides on its own)."""
         if not rows:
             return
         d = self.drafter
-        feats = d.hidden_norm(d.fc(torch.cat([torch.cat(r.captured, -1) for r in rows])))
-        positions = torch.cat([torch.arange(r.start, r.start + len(r.tokens)) for r in rows])
-        cos_sin = d.rotary.cos_sin(positions.to(feats.device), feats.dtype)
+        feats = d.hidden_norm(d.fc(gather_rows(rows, lambda r: r.step_captured)))
+        starts = [0 if r.fresh else self.ctx_len[r.slot] for r in rows]
+        positions = [p for r in rows for p in range(r.start, r.start + len(r.tokens))]
+        cos_sin = d.rotary.cos_sin(torch.tensor(positions, device=feats.device), feats.dtype)
         kv = [layer.keys_values(feats, cos_sin) for layer in d.layers]
         keys, values = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
-        first = 0
-        for r in rows:
+        slots, places, fit, first = [], [], [], 0
+        for r, have in zip(rows, starts):
             n = len(r.tokens)
-            if r.fresh:
-                self.ctx_len[r.slot] = 0
-            self._append(r.slot, keys[:, first:first + n], values[:, first:first + n])
-            self.ctx_len[r.slot] = min(self.ctx_len[r.slot] + n, self.window)
+            if have + n <= self.window:
+                slots.extend([r.slot] * n)
+                places.extend(range(have, have + n))
+                fit.extend(range(first, first + n))
+            else:
+                self.ctx_len[r.slot] = have
+                self._slide(r.slot, keys[:, first:first + n], values[:, first:first + n])
+            self.ctx_len[r.slot] = min(have + n, self.window)
             first += n
+        if fit:
+            if len(fit) < first:
+                fit_rows = torch.tensor(fit, device=keys.device)
+                keys, values = keys[:, fit_rows], values[:, fit_rows]
+            index = torch.tensor([slots, places], device=keys.device)
+            self.ctx_k[:, index[0], index[1]] = keys
+            self.ctx_v[:, index[0], index[1]] = values
 
-    def _append(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Appends rows ([layers, n, ...]) to the slot's window, sliding out the oldest rows
-        when it is full."""
+    def _slide(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends rows ([layers, n, ...]) to a full slot's window: the oldest rows slide out."""
         have, n, w = self.ctx_len[slot], k.shape[1], self.window
         if n >= w:
             self.ctx_k[:, slot], self.ctx_v[:, slot] = k[:, -w:], v[:, -w:]
             return
-        keep = min(have, w - n)
-        if keep < have:   # slide: the rows to keep move to the front
-            self.ctx_k[:, slot, :keep] = self.ctx_k[:, slot, have - keep:have].clone()
-            self.ctx_v[:, slot, :keep] = self.ctx_v[:, slot, have - keep:have].clone()
-        self.ctx_k[:, slot, keep:keep + n], self.ctx_v[:, slot, keep:keep + n] = k, v
+        keep = w - n
+        self.ctx_k[:, slot, :keep] = self.ctx_k[:, slot, have - keep:have].clone()
+        self.ctx_v[:, slot, :keep] = self.ctx_v[:, slot, have - keep:have].clone()
+        self.ctx_k[:, slot, keep:], self.ctx_v[:, slot, keep:] = k, v
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:

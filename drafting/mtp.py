@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from metrale.drafting.proposer import (CommittedRows, HeldRows, Proposal, ProposeRequest,
-                                       ProposerError, in_batches, masked_argmax)
+                                       ProposerError, gather_rows, in_batches, masked_argmax)
 from metrale.workers.batch import ForwardBatch, SeqRows
 from metrale.workers.cuda_graphs import bucket_for, buckets_up_to, capture
 from metrale.workers.kv_cache import PagedKVCache
@@ -113,10 +113,11 @@ class MTPProposer:
             return
         batch = ForwardBatch.build([(r.next_tokens, r.start, r.block_table, -1) for r in rows],
                                    self.block_size, self.stash.device, self.backend)
-        hidden = torch.cat([r.hidden for r in rows])
-        out = self._run(batch, hidden)
+        out = self._run(batch, gather_rows(rows, lambda r: [r.step_hidden]))
+        last = [s.start + s.length - 1 for s in batch.seqs]
+        index = torch.tensor([[r.slot for r in rows], last], device=out.device)
+        self.stash[index[0]] = out[index[1]]
         for r, s in zip(rows, batch.seqs):
-            self.stash[r.slot] = out[s.start + s.length - 1]
             self.stash_pos[r.slot] = s.context_len + s.length - 1
 
     @torch.inference_mode()

@@ -56,6 +56,22 @@ class CommittedRows:
         return [c[self.rows] for c in self.step_captured]
 
 
+def gather_rows(rows: list[CommittedRows], parts) -> torch.Tensor:
+    """[rows' total length, ...]: each CommittedRows' slice of the step tensors `parts(r)`
+    (concatenated on the last dimension), stacked. Rows of one step take one index per tensor,
+    not a slice per sequence."""
+    every = [parts(r) for r in rows]
+    first = every[0]
+    if all(all(a is b for a, b in zip(p, first)) for p in every[1:]):
+        total = first[0].shape[0]
+        index = torch.tensor([i for r in rows for i in range(*r.rows.indices(total))],
+                             device=first[0].device)
+        picked = [t[index] for t in first]
+    else:
+        picked = [torch.cat([p[j][r.rows] for r, p in zip(rows, every)]) for j in range(len(first))]
+    return picked[0] if len(picked) == 1 else torch.cat(picked, -1)
+
+
 HOLD_ROWS = 64   # committed rows a slot may hold back before its drafter catches up anyway
 
 
