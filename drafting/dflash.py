@@ -11,6 +11,7 @@ from torch import nn
 from metrale.drafting.proposer import (CommittedRows, HeldRows, Proposal, ProposeRequest,
                                        ProposerError, gather_rows, masked_argmax)
 from metrale.workers.models.config import read_json
+from metrale.workers.batch import to_device
 from metrale.workers.cuda_graphs import bucket_for, buckets_up_to, capture
 from metrale.workers.models import kernels
 from metrale.workers.models.decoder import CausalLM, fuse
@@ -167,7 +168,7 @@ class DFlashProposer:
         feats = d.hidden_norm(d.fc(gather_rows(rows, lambda r: r.step_captured)))
         starts = [0 if r.fresh else self.ctx_len[r.slot] for r in rows]
         positions = [p for r in rows for p in range(r.start, r.start + len(r.tokens))]
-        cos_sin = d.rotary.cos_sin(torch.tensor(positions, device=feats.device), feats.dtype)
+        cos_sin = d.rotary.cos_sin(to_device(positions, feats.device), feats.dtype)
         kv = [layer.keys_values(feats, cos_sin) for layer in d.layers]
         keys, values = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
         slots, places, fit, first = [], [], [], 0
@@ -184,9 +185,9 @@ class DFlashProposer:
             first += n
         if fit:
             if len(fit) < first:
-                fit_rows = torch.tensor(fit, device=keys.device)
+                fit_rows = to_device(fit, keys.device)
                 keys, values = keys[:, fit_rows], values[:, fit_rows]
-            index = torch.tensor([slots, places], device=keys.device)
+            index = to_device([slots, places], keys.device)
             self.ctx_k[:, index[0], index[1]] = keys
             self.ctx_v[:, index[0], index[1]] = values
 
@@ -205,9 +206,10 @@ class DFlashProposer:
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         self._catch_up(self.held.take(r.slot for r in requests))
         width = max(self.ctx_len[r.slot] for r in requests)
-        slots, pending, positions, lens = torch.tensor(
-            [[r.slot, r.pending, r.position, self.ctx_len[r.slot]] for r in requests],
-            dtype=torch.long).T.contiguous().to(self.ctx_k.device)
+        slots, pending, positions, lens = to_device(
+            [[r.slot for r in requests], [r.pending for r in requests],
+             [r.position for r in requests], [self.ctx_len[r.slot] for r in requests]],
+            self.ctx_k.device)
         if any(r.allowed for r in requests):   # grammars pick each draft under their mask
             logits = self._block_logits(slots, pending, positions, lens, width)
             return [self._constrained(req, logits[i]) for i, req in enumerate(requests)]

@@ -9,7 +9,7 @@ from torch import nn
 
 from metrale.drafting.proposer import (CommittedRows, HeldRows, Proposal, ProposeRequest,
                                        ProposerError, gather_rows, in_batches, masked_argmax)
-from metrale.workers.batch import ForwardBatch, SeqRows
+from metrale.workers.batch import ForwardBatch, SeqRows, to_device
 from metrale.workers.cuda_graphs import bucket_for, buckets_up_to, capture
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models.config import ModelConfig
@@ -115,7 +115,7 @@ class MTPProposer:
                                    self.block_size, self.stash.device, self.backend)
         out = self._run(batch, gather_rows(rows, lambda r: [r.step_hidden]))
         last = [s.start + s.length - 1 for s in batch.seqs]
-        index = torch.tensor([[r.slot for r in rows], last], device=out.device)
+        index = to_device([[r.slot for r in rows], last], out.device)
         self.stash[index[0]] = out[index[1]]
         for r, s in zip(rows, batch.seqs):
             self.stash_pos[r.slot] = s.context_len + s.length - 1
@@ -201,11 +201,12 @@ class MTPGraphs:
         n, p = len(requests), self.p
         bucket = bucket_for(self.buckets, n)
         width = max(len(r.block_table) for r in requests)
-        tables = torch.tensor([list(r.block_table) + [self.spare] * (width - len(r.block_table))
-                               for r in requests] + [[self.spare] * width] * (bucket - n),
-                              dtype=torch.int32)
-        rows = torch.tensor([[r.slot for r in requests] + [0] * (bucket - n),
-                             [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)])
+        device = self.slots.device
+        tables = to_device([list(r.block_table) + [self.spare] * (width - len(r.block_table))
+                            for r in requests] + [[self.spare] * width] * (bucket - n),
+                           device, torch.int32)
+        rows = to_device([[r.slot for r in requests] + [0] * (bucket - n),
+                          [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)], device)
         self.slots[:bucket].copy_(rows[0])
         self.last[:bucket].copy_(rows[1])
         self.tables[:bucket].fill_(self.spare)

@@ -7,6 +7,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from metrale.workers.batch import to_device
+
 # allowed(drafts so far in this round) -> bool mask [vocab] for the next token, or None (no grammar)
 MaskFn = Callable[[list[int]], "torch.Tensor | None"]
 
@@ -64,8 +66,8 @@ def gather_rows(rows: list[CommittedRows], parts) -> torch.Tensor:
     first = every[0]
     if all(all(a is b for a, b in zip(p, first)) for p in every[1:]):
         total = first[0].shape[0]
-        index = torch.tensor([i for r in rows for i in range(*r.rows.indices(total))],
-                             device=first[0].device)
+        index = to_device([i for r in rows for i in range(*r.rows.indices(total))],
+                          first[0].device)
         picked = [t[index] for t in first]
     else:
         picked = [torch.cat([p[j][r.rows] for r, p in zip(rows, every)]) for j in range(len(first))]

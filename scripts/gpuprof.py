@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from metrale.deploy.random_checkpoint import QWEN3_8B, QWEN3_5_2B, write_random_checkpoint
 from metrale.deploy.llm import LLM
-from metrale.workers.batch import ForwardBatch
+from metrale.workers.batch import RowsLayout
 
 dev = torch.device("cuda")
 
@@ -44,9 +44,9 @@ def profile(name, shape):
         chunks = [([1], 512, list(range(33)), 0, False)]
         host = []
         for _ in range(50):
-            s = time.perf_counter(); b = ForwardBatch.build(chunks, bs, w.device, w.backend); host.append(time.perf_counter() - s)
-        print(f"  build host {statistics.median(host)*1e3:.3f} ms")
-        b = ForwardBatch.build(chunks, bs, w.device, w.backend)
+            s = time.perf_counter(); b = RowsLayout.of(chunks, bs); host.append(time.perf_counter() - s)
+        print(f"  layout host {statistics.median(host)*1e3:.3f} ms")
+        b = RowsLayout.of(chunks, bs)
         if graphs:
             g = w.graphs
             key = (1, 1, False)
@@ -54,7 +54,7 @@ def profile(name, shape):
             print(f"  replay GPU {cuda_ms(graph.replay, 50):.3f} ms")
             hs = []
             for _ in range(50):
-                torch.cuda.synchronize(); s = time.perf_counter(); g._fill(b, 1, 1, 1); torch.cuda.synchronize(); hs.append(time.perf_counter()-s)
+                torch.cuda.synchronize(); s = time.perf_counter(); g._fill(b, 1, 1); torch.cuda.synchronize(); hs.append(time.perf_counter()-s)
             print(f"  fill host+gpu {statistics.median(hs)*1e3:.3f} ms")
             rs = []
             for _ in range(50):

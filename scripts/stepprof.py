@@ -6,8 +6,8 @@ Each spec decodes BATCH held-out prompts together for 128 tokens with every roun
 DRAFTS drafts (adaptive draft length off), or with `aK` at most K drafts chosen by the draft
 policy (then the rounds' ks are printed too), twice (the first run compiles and captures). It prints
 the steps' total and median milliseconds, the slowest four, the worker's phases (propose, target
-forward, verdicts, SSM commit, drafter commit; each timed between device syncs, so their sum is
-above an unprofiled step's), and how many forwards could not replay a CUDA graph.
+forward, verdicts, SSM commit, drafter commit, and inside them MTP's and DFlash's catch-up and
+draft graph; each timed between device syncs, so their sum is above an unprofiled step's), and how many forwards could not replay a CUDA graph.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
     w._verdicts = timed(phases, "verdicts", w._verdicts)
     if w.proposer:
         w.proposer.commit = timed(phases, "drafter commit", w.proposer.commit)
+        if hasattr(w.proposer, "_catch_up"):   # MTP, DFlash: inside commit or propose
+            w.proposer._catch_up = timed(phases, "  catch-up", w.proposer._catch_up)
+        if getattr(w.proposer, "graphs", None) is not None:
+            w.proposer.graphs.run = timed(phases, "  draft graph", w.proposer.graphs.run)
     if w.ssm is not None:
         w.ssm.commit = timed(phases, "ssm commit", w.ssm.commit)
     sched = llm.scheduler

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values (lists or a numpy array) as a tensor on `device`. On CUDA they leave from
+    pinned memory without waiting: a copy from pageable memory first waits for every kernel
+    queued before it, and the host could no longer run ahead of the device."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -51,32 +62,62 @@ class ForwardBatch:
     @classmethod
     def build(cls, chunks: list[tuple], block_size: int, device: torch.device,
               backend: str = "torch") -> "ForwardBatch":
-        """`chunks[i] = (token_ids, context_len, block_table, slot[, verify])` per sequence. The
-        rows' ids, positions and slots cross to the device in one copy; for the kernels the
-        per-sequence facts in two more, and each sequence's block table is a row of theirs."""
-        ids, pos, slot_mapping, spans = [], [], [], []
-        for tokens, ctx, table, slot, *verify in chunks:
-            p = range(ctx, ctx + len(tokens))
-            ids.extend(tokens)
-            pos.extend(p)
-            slot_mapping.extend(table[i // block_size] * block_size + i % block_size for i in p)
-            spans.append((len(ids) - len(tokens), len(tokens), ctx, slot, bool(verify and verify[0])))
-        input_ids, positions, slot_mapping = torch.tensor(
-            [ids, pos, slot_mapping], dtype=torch.long).to(device).unbind()
+        """`chunks[i] = (token_ids, context_len, block_table, slot[, verify])` per sequence."""
+        return RowsLayout.of(chunks, block_size).to(device, backend)
+
+
+@dataclass
+class RowsLayout:
+    """A step's rows on the host: each row's token, position and flat KV index, and each
+    sequence's place. A CUDA graph's buffers are filled from it directly; `to` makes the
+    ForwardBatch an eager forward reads."""
+    ids: np.ndarray            # [T] int64
+    positions: np.ndarray      # [T] int64
+    slot_mapping: np.ndarray   # [T] int64
+    seqs: list[SeqRows]        # block_table: the host list
+    tables: np.ndarray         # [S, W] int32, each table padded with block 0
+    block_size: int
+
+    @classmethod
+    def of(cls, chunks: list[tuple], block_size: int) -> "RowsLayout":
+        lengths = np.array([len(c[0]) for c in chunks], dtype=np.int64)
+        context = np.array([c[1] for c in chunks], dtype=np.int64)
+        width = max(len(c[2]) for c in chunks)
+        tables = np.array([list(c[2]) + [0] * (width - len(c[2])) for c in chunks],
+                          dtype=np.int32).reshape(len(chunks), width)
+        starts = np.cumsum(lengths) - lengths
+        of_row = np.repeat(np.arange(len(chunks)), lengths)
+        positions = np.repeat(context - starts, lengths) + np.arange(int(lengths.sum()))
+        slot_mapping = (tables[of_row, positions // block_size].astype(np.int64) * block_size
+                        + positions % block_size)
+        ids = np.fromiter((t for c in chunks for t in c[0]), dtype=np.int64, count=len(of_row))
+        seqs = [SeqRows(int(start), len(c[0]), c[1], c[2], c[3], bool(c[4:] and c[4]))
+                for start, c in zip(starts, chunks)]
+        return cls(ids, positions, slot_mapping, seqs, tables, block_size)
+
+    @property
+    def uniform_length(self) -> int | None:
+        lengths = {s.length for s in self.seqs}
+        return lengths.pop() if len(lengths) == 1 else None
+
+    def to(self, device: torch.device, backend: str = "torch") -> ForwardBatch:
+        """The rows' ids, positions and slots cross to the device in one copy; for the kernels
+        the per-sequence facts in three more, and each sequence's block table is a row of theirs."""
+        rows = np.stack([self.ids, self.positions, self.slot_mapping])
+        input_ids, positions, slot_mapping = to_device(rows, device).unbind()
         if backend == "torch":
-            tables = [torch.tensor(c[2], dtype=torch.long, device=device) for c in chunks]
+            tables = [to_device(s.block_table, device) for s in self.seqs]
         else:
-            width = max(len(c[2]) for c in chunks)
-            block_tables = torch.tensor([list(c[2]) + [0] * (width - len(c[2])) for c in chunks],
-                                        dtype=torch.int32).to(device)
-            tables = [row[:len(c[2])] for row, c in zip(block_tables, chunks)]
-        seqs = [SeqRows(start, n, ctx, table, slot, verify)
-                for (start, n, ctx, slot, verify), table in zip(spans, tables)]
-        batch = cls(input_ids, positions, slot_mapping, seqs, block_size, backend=backend)
+            block_tables = to_device(self.tables, device, torch.int32)
+            tables = [row[:len(s.block_table)] for row, s in zip(block_tables, self.seqs)]
+        seqs = [SeqRows(s.start, s.length, s.context_len, table, s.slot, s.verify)
+                for s, table in zip(self.seqs, tables)]
+        batch = ForwardBatch(input_ids, positions, slot_mapping, seqs, self.block_size,
+                             backend=backend)
         if backend != "torch":
-            meta = torch.tensor([[s.start for s in seqs], [s.length for s in seqs],
-                                 [s.context_len for s in seqs]], dtype=torch.int32).to(device)
+            meta = to_device([[s.start for s in seqs], [s.length for s in seqs],
+                              [s.context_len for s in seqs]], device, torch.int32)
             batch.q_start, batch.q_len, batch.context_lens = meta.unbind()   # contiguous rows
-            batch.slots = torch.tensor([s.slot for s in seqs], dtype=torch.long).to(device)
+            batch.slots = to_device([s.slot for s in seqs], device)
             batch.block_tables = block_tables
         return batch

@@ -8,9 +8,10 @@ a slot that the worker keeps for them, so they never touch a real sequence's cac
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from metrale.workers.batch import ForwardBatch, SeqRows
+from metrale.workers.batch import ForwardBatch, RowsLayout, SeqRows
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -41,27 +42,35 @@ def capture(step, pool):
 
 
 class GraphRunner:
+    """The target's captured steps. A step's inputs are two buffers (int64: ids, positions, KV
+    indices, SSM slots; int32: row starts and counts, cached lengths, block tables) laid out for
+    its bucket and row count; the host fills them, padding included, and sends each with one
+    asynchronous copy from pinned memory. The graphs read them there, and the block tables from
+    `tables`, into which one device copy spreads the step's."""
+
     def __init__(self, model, kv, ssm, max_seqs: int, max_rows: int, max_blocks_per_seq: int,
                  capture_layers: tuple[int, ...], pad_block: int, pad_slot: int):
         self.model, self.kv, self.ssm = model, kv, ssm
         self.capture_layers = capture_layers
         self.buckets = buckets_up_to(max_seqs)
         self.max_rows, self.pad_block, self.pad_slot = max_rows, pad_block, pad_slot
-        self.block_size = kv.block_size
+        self.block_size, self.width = kv.block_size, max_blocks_per_seq
         device = kv.k.device
-        n_seq, n_rows = self.buckets[-1], self.buckets[-1] * max_rows
-
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-        self.input_ids, self.positions, self.slot_mapping = zeros(n_rows), zeros(n_rows), zeros(n_rows)
-        self.q_start, self.q_len = zeros(n_seq, dtype=torch.int32), zeros(n_seq, dtype=torch.int32)
-        self.context_lens = zeros(n_seq, dtype=torch.int32)
-        self.block_tables = zeros(n_seq, max_blocks_per_seq, dtype=torch.int32)
-        self.slots = zeros(n_seq)
+        n_seq = self.buckets[-1]
+        sizes = (3 * n_seq * max_rows + n_seq, 3 * n_seq + n_seq * max_blocks_per_seq)
+        self.inputs = [torch.zeros(n, dtype=t, device=device)
+                       for n, t in zip(sizes, (torch.long, torch.int32))]
+        self.tables = torch.zeros(n_seq, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # two pinned staging sets, so a step fills one while the other's copy may still fly
+        self.staging = [[torch.zeros(n, dtype=t, pin_memory=True)
+                         for n, t in zip(sizes, (torch.long, torch.int32))] for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
         self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.pool = None
         # one set of outputs that every graph writes (each graph keeps only its view)
         cfg = model.config
+        n_rows = n_seq * max_rows
         self.out_hidden = torch.empty(n_rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
         self.out_captured = [torch.empty_like(self.out_hidden) for _ in capture_layers]
         self.out_logits = torch.empty(n_rows, cfg.vocab_size, dtype=torch.float32, device=device)
@@ -78,59 +87,76 @@ class GraphRunner:
     def bucket(self, n: int) -> int | None:
         return bucket_for(self.buckets, n)
 
-    def eligible(self, batch: ForwardBatch) -> bool:
-        length = batch.uniform_length
+    def eligible(self, layout: RowsLayout) -> bool:
+        length = layout.uniform_length
         return (length is not None and length <= self.max_rows
-                and self.bucket(len(batch.seqs)) is not None
-                and len({s.verify for s in batch.seqs}) == 1
-                and batch.block_tables.shape[1] <= self.block_tables.shape[1])
+                and self.bucket(len(layout.seqs)) is not None
+                and len({s.verify for s in layout.seqs}) == 1
+                and layout.tables.shape[1] <= self.width)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """Hidden rows, captured layers and float32 logits of every row of an eligible batch."""
-        n, length, verify = len(batch.seqs), batch.uniform_length, batch.seqs[0].verify
+    def run(self, layout: RowsLayout) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Hidden rows, captured layers and float32 logits of every row of an eligible step."""
+        n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
         if self.ssm is not None:
-            self.ssm.check_verify(batch.seqs)
+            self.ssm.check_verify(layout.seqs)
         bucket = self.bucket(n)
         key = (bucket, length, verify)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, length, verify)
         graph, hidden, captured, logits = self.graphs[key]
-        self._fill(batch, n, bucket, length)
+        self._fill(layout, bucket, length)
         graph.replay()
         rows = n * length
         return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]
 
-    def _fill(self, batch: ForwardBatch | None, n: int, bucket: int, length: int) -> None:
-        rows, width = n * length, (batch.block_tables.shape[1] if batch is not None else 0)
-        if batch is not None:
-            self.input_ids[:rows].copy_(batch.input_ids)
-            self.positions[:rows].copy_(batch.positions)
-            self.slot_mapping[:rows].copy_(batch.slot_mapping)
-            self.context_lens[:n].copy_(batch.context_lens)
-            self.block_tables[:n, :width].copy_(batch.block_tables)
-            self.slots[:n].copy_(batch.slots)
-        # padding sequences: position 0.., their own block and slot
-        pad = slice(n, bucket)
-        self.slot_mapping[rows:bucket * length].copy_(
-            self.pad_block * self.block_size
-            + torch.arange(length, device=self.slots.device).repeat(bucket - n) % self.block_size)
-        self.positions[rows:bucket * length].zero_()
-        self.context_lens[pad] = 0
-        self.block_tables[pad] = self.pad_block
-        self.slots[pad] = self.pad_slot
-        self.q_len[:bucket] = length
-        torch.arange(0, bucket * length, length, out=self.q_start[:bucket])
+    def _views(self, bucket: int, length: int, width: int, tensors: list[torch.Tensor]):
+        """The step's fields in `tensors` (device inputs or a staging set), for this shape: ids,
+        positions, KV indices, slots; row starts, row counts, cached lengths, and the block
+        tables `width` wide (the graphs read them from `self.tables`, where they are copied)."""
+        rows, b = bucket * length, bucket
+        wide, narrow = tensors
+        return (wide[:rows], wide[rows:2 * rows], wide[2 * rows:3 * rows],
+                wide[3 * rows:3 * rows + b], narrow[:b], narrow[b:2 * b], narrow[2 * b:3 * b],
+                narrow[3 * b:3 * b + b * width].view(b, width))
+
+    def _fill(self, layout: RowsLayout | None, bucket: int, length: int) -> None:
+        """Writes the step's inputs, and the padding sequences' (position 0.., their own block
+        and slot), into a staging set; one copy per buffer sends it to the device."""
+        self.turn ^= 1
+        staging = self.staging[self.turn]
+        self.copied[self.turn].synchronize()   # its previous copy has left
+        n = len(layout.seqs) if layout is not None else 0
+        rows, bs = n * length, self.block_size
+        width = layout.tables.shape[1] if layout is not None else -(-length // bs)
+        ids, pos, kv_index, slots, q_start, q_len, ctx, tables = (
+            t.numpy() for t in self._views(bucket, length, width, staging))
+        if layout is not None:
+            ids[:rows], pos[:rows], kv_index[:rows] = layout.ids, layout.positions, layout.slot_mapping
+            slots[:n] = [s.slot for s in layout.seqs]
+            ctx[:n] = [s.context_len for s in layout.seqs]
+            tables[:n] = layout.tables
+        ids[rows:], pos[rows:] = 0, 0
+        kv_index[rows:] = self.pad_block * bs + np.tile(np.arange(length) % bs, bucket - n)
+        slots[n:], ctx[n:] = self.pad_slot, 0
+        tables[n:] = self.pad_block
+        q_start[:] = np.arange(0, bucket * length, length)
+        q_len[:] = length
+        sizes = (3 * bucket * length + bucket, 3 * bucket + bucket * width)
+        for device_in, host, size in zip(self.inputs, staging, sizes):
+            device_in[:size].copy_(host[:size], non_blocking=True)
+        self.copied[self.turn].record()
+        self.tables[:bucket, :width].copy_(self._views(bucket, length, width, self.inputs)[-1])
 
     def _capture(self, bucket: int, length: int, verify: bool):
         rows = bucket * length
+        ids, pos, kv_index, slots, q_start, q_len, ctx, _ = self._views(bucket, length, 1,
+                                                                        self.inputs)
         static = ForwardBatch(
-            self.input_ids[:rows], self.positions[:rows], self.slot_mapping[:rows],
+            ids, pos, kv_index,
             [SeqRows(i * length, length, 0, None, self.pad_slot, verify) for i in range(bucket)],
-            self.block_size, self.q_start[:bucket], self.q_len[:bucket],
-            self.context_lens[:bucket], self.block_tables[:bucket], self.slots[:bucket],
-            backend="triton")
-        self._fill(None, 0, bucket, length)
+            self.block_size, q_start, q_len, ctx, self.tables[:bucket], slots, backend="triton")
+        self._fill(None, bucket, length)
 
         def step():
             hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from metrale.workers.batch import to_device
+
 
 def verify_capacities(num_slots: int, max_drafts: int, budget_entries: int) -> list[int]:
     """Draft capacity per slot from a budget of verify-pool entries (a slot of capacity c holds
@@ -67,7 +69,7 @@ class SSMSlotPool:
         return (self.conv.nbytes + self.state.nbytes) // max(self.num_slots, 1)
 
     def reset(self, slots: list[int]) -> None:
-        idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        idx = to_device(slots, self.conv.device)
         self.conv[:, idx] = 0
         self.state[:, idx] = 0
 
@@ -76,8 +78,8 @@ class SSMSlotPool:
         in one copy per tensor for all the slots."""
         if not slots:
             return
-        index = torch.tensor([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
-                             dtype=torch.long).to(self.conv.device, non_blocking=True)
+        index = to_device([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
+                          self.conv.device)
         self.conv[:, index[0]] = self.verify_conv[:, index[1]]
         self.state[:, index[0]] = self.verify_state[:, index[1]]
 

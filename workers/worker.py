@@ -17,7 +17,7 @@ from metrale.drafting.grammar import grammar_compiler
 from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
 from metrale.drafting.rejection import greedy_verdict, verify_drafts
 from metrale.drafting.stats import SpecStats
-from metrale.workers.batch import ForwardBatch
+from metrale.workers.batch import RowsLayout, SeqRows, to_device
 from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
@@ -203,15 +203,14 @@ class Worker:
         proposed = time.perf_counter()
         chunks = [self._rows(w, drafts) for w in work]
         verifying = {w.seq_id for w, c in zip(work, chunks) if len(c) > len(w.tokens)}
-        batch = ForwardBatch.build(
+        layout = RowsLayout.of(
             [(c, w.context_len, w.block_table, w.slot, w.seq_id in verifying and self.ssm is not None)
-             for w, c in zip(work, chunks)],
-            self.config.block_size, self.device, self.backend)
-        hidden, captured, logits = self._forward(batch)
-        verdicts = self._verdicts(work, batch, drafts, hidden, logits)
+             for w, c in zip(work, chunks)], self.config.block_size)
+        hidden, captured, logits = self._forward(layout)
+        verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed, verified = [], [], ([], [])
-        for w, rows in zip(work, batch.seqs):
+        for w, rows in zip(work, layout.seqs):
             d = drafts.get(w.seq_id, [])
             outcome = verdicts.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
@@ -264,8 +263,7 @@ class Worker:
         times = []
         for _ in range(iters + 3):
             start = time.perf_counter()
-            batch = ForwardBatch.build(chunks, bs, self.device, self.backend)
-            hidden, _, logits = self._forward(batch)
+            hidden, _, logits = self._forward(RowsLayout.of(chunks, bs))
             if logits is None:
                 self.model.logits(hidden)
             if self.device.type == "cuda":
@@ -321,21 +319,22 @@ class Worker:
             d = d + [w.tokens[-1]] * (max(w.num_drafts, w.pad_to) - len(d))
         return w.tokens + d
 
-    def _forward(self, batch: ForwardBatch):
+    def _forward(self, layout: RowsLayout):
         """Hidden rows, captured layers, and the logits of every row when a CUDA graph ran the
-        step (None otherwise: they are computed per sequence)."""
-        if self.graphs is not None and self.graphs.eligible(batch):
-            return self.graphs.run(batch)
+        step (None otherwise: they are computed for the rows read)."""
+        if self.graphs is not None and self.graphs.eligible(layout):
+            return self.graphs.run(layout)
         capture = self.proposer.capture_layers if self.proposer else ()
+        batch = layout.to(self.device, self.backend)
         return *self.model(batch, self.kv, self.ssm, capture=capture), None
 
-    def _verdicts(self, work: list[SeqWork], batch: ForwardBatch, drafts: dict[int, list[int]],
+    def _verdicts(self, work: list[SeqWork], seqs: list[SeqRows], drafts: dict[int, list[int]],
                   hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[int, SeqOutcome]:
         """The outcome of every sampling sequence, by id. Logits are one lm_head GEMM over the
         rows read: a CUDA graph computed every row's; otherwise those of each sampling sequence's
         pending token and drafts (filler rows after them are not read) are gathered first."""
         sampled = []   # (work, drafts, first row of the pending token and the drafts)
-        for w, rows in zip(work, batch.seqs):
+        for w, rows in zip(work, seqs):
             if w.sample:
                 d = drafts.get(w.seq_id, [])
                 sampled.append((w, d, rows.start + len(w.tokens) - 1))
@@ -343,23 +342,19 @@ class Worker:
             return {}
         if logits is None:
             index = [i for _, d, first in sampled for i in range(first, first + len(d) + 1)]
-            logits = self.model.logits(hidden[torch.tensor(index, device=hidden.device)])
+            logits = self.model.logits(hidden[to_device(index, hidden.device)])
             starts = itertools.accumulate((len(d) + 1 for _, d, _ in sampled), initial=0)
             sampled = [(w, d, at) for (w, d, _), at in zip(sampled, starts)]
         verdicts, greedy = {}, []
         for w, d, first in sampled:
-            rows_logits = logits[first:first + len(d) + 1]
             if w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None:
-                greedy.append((w, d, rows_logits))
+                greedy.append((w, d, first))
             else:
-                verdicts[w.seq_id] = self._accept(w, d, rows_logits)
-        if greedy:   # plain greedy sequences: every argmax at once, one host sync
-            best = torch.cat([g[2] for g in greedy]).argmax(-1).tolist()
-            first = 0
-            for w, d, _ in greedy:
-                b = best[first:first + len(d) + 1]
-                first += len(d) + 1
-                verdict = greedy_verdict(d, b)
+                verdicts[w.seq_id] = self._accept(w, d, logits[first:first + len(d) + 1])
+        if greedy:   # plain greedy sequences: one argmax over every row, one host sync
+            best = logits.argmax(-1).tolist()
+            for w, d, first in greedy:
+                verdict = greedy_verdict(d, best[first:first + len(d) + 1])
                 verdicts[w.seq_id] = SeqOutcome(w.seq_id, verdict.tokens, len(d), verdict.accepted)
         return verdicts
 

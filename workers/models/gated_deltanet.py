@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.workers.batch import ForwardBatch
+from metrale.workers.batch import ForwardBatch, to_device
 from metrale.workers.models import kernels
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.models.layers import GatedRMSNorm
@@ -200,9 +200,9 @@ def _groups(batch: ForwardBatch, device):
         yield None, batch.slots, length, verify
         return
     for (length, verify), seqs in groups.items():
-        starts = torch.tensor([s.start for s in seqs], device=device)
+        starts, slots = to_device([[s.start for s in seqs], [s.slot for s in seqs]], device)
         rows = starts[:, None] + torch.arange(length, device=device)[None, :]
-        yield rows, torch.tensor([s.slot for s in seqs], device=device), length, verify
+        yield rows, slots, length, verify
 
 
 def _take(t: torch.Tensor, rows: torch.Tensor | None, length: int) -> torch.Tensor:
