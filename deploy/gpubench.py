@@ -139,7 +139,9 @@ def verify_pool_bytes(model_dir: str, dtype: str, slots: int) -> int | None:
 
 def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy decoding of `prompts` together: the decode phase (after every sequence has its first
-    token) is timed; tokens/s counts the tokens it emitted, ms per step is its wall / its steps."""
+    token) is timed; tokens/s counts the tokens it emitted, ms per step is its wall / its steps.
+    With speculation sequences finish at different rounds, and the last ones run in a smaller
+    batch; `full_batch_tokens_per_s` counts only the steps until the first sequence finished."""
     sched = llm.scheduler
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     ids = [llm.add_request(p, params) for p in prompts]
@@ -147,14 +149,20 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
         llm.step()
     before = sum(len(s.output_ids) for s in sched.running)
     sched.stats = SpecStats()
+    full = None   # (tokens, seconds) when the batch first shrank
     steps, start = 0, time.perf_counter()
     while sched.has_work:
         llm.step()
         steps += 1
+        if full is None and len(sched.running) < len(prompts):
+            now = time.perf_counter()
+            emitted = sum(len(s.output_ids) for i in ids for s in sched.by_request[i]) - before
+            full = (emitted, now - start)
     wall = time.perf_counter() - start
     total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
     stats = sched.stats
     return {"tokens_per_s": (total - before) / wall if wall else 0.0,
+            "full_batch_tokens_per_s": full[0] / full[1] if full and full[1] else None,
             "ms_per_step": 1000 * wall / max(steps, 1), "steps": steps,
             "tokens": total - before, "wall_s": wall,
             "acceptance": (stats.drafts_accepted / stats.drafts_proposed
@@ -340,10 +348,12 @@ def _engine(models: dict, name: str) -> dict | None:
     return models.get(name, {}).get("engine")
 
 
-def _speedups(engine: dict) -> dict[str, dict[int, float]]:
-    """Speculative tokens/s / plain tokens/s per method per batch size."""
+def _speedups(engine: dict, key: str = "tokens_per_s") -> dict[str, dict[int, float]]:
+    """Speculative tokens/s / plain tokens/s per method per batch size (of the whole runs, or
+    `full_batch_tokens_per_s`: until the first sequence finished)."""
     plain = engine["none"]
-    return {m: {b: runs[b]["tokens_per_s"] / plain[b]["tokens_per_s"] for b in runs if b in plain}
+    return {m: {b: runs[b][key] / plain[b][key] for b in runs
+                if b in plain and runs[b].get(key) and plain[b].get(key)}
             for m, runs in engine.items() if m != "none"}
 
 
@@ -427,6 +437,10 @@ def format_report(report: dict) -> str:
                 for meth, r in _speedups(eng).items():
                     lines.append(f"  {meth + ' / none':<12}" + "".join(
                         f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes))
+                for meth, r in _speedups(eng, "full_batch_tokens_per_s").items():
+                    lines.append(f"  {meth + ' / none':<12}" + "".join(
+                        f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes)
+                        + "   (until the first sequence finished)")
         for b, h in m.get("hf_generate", {}).items():
             lines.append(f"  transformers generate batch {b}: {h['tokens_per_s']:.1f} tokens/s "
                          f"({h['ms_per_step']:.1f} ms per step)")
