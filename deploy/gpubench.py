@@ -163,6 +163,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     stats = sched.stats
     return {"tokens_per_s": (total - before) / wall if wall else 0.0,
             "full_batch_tokens_per_s": full[0] / full[1] if full and full[1] else None,
+            "full_batch_tokens": full[0] if full else None,
             "ms_per_step": 1000 * wall / max(steps, 1), "steps": steps,
             "tokens": total - before, "wall_s": wall,
             "acceptance": (stats.drafts_accepted / stats.drafts_proposed

@@ -39,6 +39,10 @@ def test_bench_small_on_cpu(tmp_path, capsys):
             assert set(runs) == {"1", "2"}
             for run in runs.values():
                 assert run["tokens_per_s"] > 0 and run["ms_per_step"] > 0 and run["tokens"] > 0
+                # until the first sequence finished; plain sequences all finish in one step
+                assert 0 < run["full_batch_tokens"] <= run["tokens"]
+                assert run["full_batch_tokens_per_s"] > 0
+                assert method != "none" or run["full_batch_tokens"] == run["tokens"]
                 proposed = run["spec"]["drafts_proposed"]
                 if method == "none":
                     assert run["acceptance"] is None and proposed == 0
