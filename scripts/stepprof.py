@@ -7,7 +7,8 @@ DRAFTS drafts (adaptive draft length off), or with `aK` at most K drafts chosen 
 policy (then the rounds' ks are printed too), twice (the first run compiles and captures). It prints
 the steps' total and median milliseconds, the slowest four, the worker's phases (propose, target
 forward, verdicts, SSM commit, drafter commit, and inside them MTP's and DFlash's catch-up and
-draft graph; each timed between device syncs, so their sum is above an unprofiled step's), and how many forwards could not replay a CUDA graph.
+draft graph; each timed between device syncs, so their sum is above an unprofiled step's), and
+how many forwards could not replay a CUDA graph.
 """
 
 from __future__ import annotations
