@@ -140,7 +140,8 @@ class DFlashProposer:
         layer = drafter.layers[0]
         # Context: per slot and draft layer, the K/V of the committed positions' features,
         # a window of the most recent `window` rows with their absolute positions.
-        shape = (len(drafter.layers), num_slots, window, layer.kv_heads, layer.head_dim)
+        # (and one spare slot that takes the writes of a catch-up graph's padding rows)
+        shape = (len(drafter.layers), num_slots + 1, window, layer.kv_heads, layer.head_dim)
         self.ctx_k = torch.zeros(shape, dtype=dtype, device=device)
         self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
         self.ctx_len = [0] * num_slots
@@ -160,47 +161,55 @@ class DFlashProposer:
     @torch.inference_mode()
     def _catch_up(self, rows: list[CommittedRows]) -> None:
         """The draft layers' K/V of the rows' target features, appended to each slot's window:
-        one projection over all the rows, one write into the windows for every slot whose rows
-        fit behind what it holds (a slot whose window overflows slides on its own)."""
+        one projection and one write for every slot whose rows fit behind what it holds (a CUDA
+        graph per row bucket on the GPU); a slot whose window overflows slides on its own."""
         if not rows:
             return
-        d = self.drafter
-        feats = d.hidden_norm(d.fc(gather_rows(rows, lambda r: r.step_captured)))
-        starts = [0 if r.fresh else self.ctx_len[r.slot] for r in rows]
-        positions = [p for r in rows for p in range(r.start, r.start + len(r.tokens))]
-        cos_sin = d.rotary.cos_sin(to_device(positions, feats.device), feats.dtype)
-        kv = [layer.keys_values(feats, cos_sin) for layer in d.layers]
-        keys, values = torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
-        slots, places, fit, first = [], [], [], 0
-        for r, have in zip(rows, starts):
-            n = len(r.tokens)
+        features = gather_rows(rows, lambda r: r.step_captured)
+        positions, slots, places, fit, first = [], [], [], [], 0
+        for r in rows:
+            have, n = 0 if r.fresh else self.ctx_len[r.slot], len(r.tokens)
             if have + n <= self.window:
+                positions.extend(range(r.start, r.start + n))
                 slots.extend([r.slot] * n)
                 places.extend(range(have, have + n))
                 fit.extend(range(first, first + n))
             else:
-                self.ctx_len[r.slot] = have
-                self._slide(r.slot, keys[:, first:first + n], values[:, first:first + n])
+                self._slide(r.slot, have, features[first:first + n], r.start)
             self.ctx_len[r.slot] = min(have + n, self.window)
             first += n
-        if fit:
-            if len(fit) < first:
-                fit_rows = to_device(fit, keys.device)
-                keys, values = keys[:, fit_rows], values[:, fit_rows]
-            index = to_device([slots, places], keys.device)
-            self.ctx_k[:, index[0], index[1]] = keys
-            self.ctx_v[:, index[0], index[1]] = values
+        if not fit:
+            return
+        if len(fit) < first:
+            features = features[to_device(fit, features.device)]
+        if self.graphs is None or not self.graphs.write(features, positions, slots, places):
+            self._write(features, *to_device([positions, slots, places], features.device))
 
-    def _slide(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Appends rows ([layers, n, ...]) to a full slot's window: the oldest rows slide out."""
-        have, n, w = self.ctx_len[slot], k.shape[1], self.window
+    def _keys_values(self, features: torch.Tensor, positions: torch.Tensor):
+        """K and V [layers, n, kv_heads, head_dim] of rows of target features [n, F]."""
+        d = self.drafter
+        feats = d.hidden_norm(d.fc(features))
+        cos_sin = d.rotary.cos_sin(positions, feats.dtype)
+        kv = [layer.keys_values(feats, cos_sin) for layer in d.layers]
+        return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+    def _write(self, features, positions, slots, places) -> None:
+        """Each row's K/V into its slot's window at its place (device index tensors)."""
+        keys, values = self._keys_values(features, positions)
+        self.ctx_k[:, slots, places] = keys
+        self.ctx_v[:, slots, places] = values
+
+    def _slide(self, slot: int, have: int, features: torch.Tensor, start: int) -> None:
+        """Appends rows of features to a slot whose window they overflow: the oldest slide out."""
+        n, w = features.shape[0], self.window
+        k, v = self._keys_values(features, torch.arange(start, start + n, device=features.device))
         if n >= w:
-            self.ctx_k[:, slot], self.ctx_v[:, slot] = k[:, -w:], v[:, -w:]
+            self.ctx_k[:, slot, :w], self.ctx_v[:, slot, :w] = k[:, -w:], v[:, -w:]
             return
         keep = w - n
         self.ctx_k[:, slot, :keep] = self.ctx_k[:, slot, have - keep:have].clone()
         self.ctx_v[:, slot, :keep] = self.ctx_v[:, slot, have - keep:have].clone()
-        self.ctx_k[:, slot, keep:], self.ctx_v[:, slot, keep:] = k, v
+        self.ctx_k[:, slot, keep:w], self.ctx_v[:, slot, keep:w] = k, v
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
@@ -252,24 +261,40 @@ class DFlashProposer:
         return prop
 
 
+CATCH_UP_BUCKETS = (8, 16, 32, 64, 128, 256, 512)   # rows of a captured catch-up
+
+
 class DFlashGraphs:
     """CUDA graphs of a DFlash proposal (the block forward and its argmax) per batch bucket, over
-    the whole context window, so one replay drafts for every sequence."""
+    the whole context window, so one replay drafts for every sequence; and of the catch-up
+    (projection of committed rows' features, K/V into the windows) per row bucket, its padding
+    rows writing into the spare slot."""
 
     def __init__(self, proposer: DFlashProposer, max_batch: int):
         self.proposer = proposer
         self.buckets = buckets_up_to(max_batch)
-        device = proposer.ctx_k.device
+        device, dtype = proposer.ctx_k.device, proposer.ctx_k.dtype
         self.inputs = torch.zeros(4, self.buckets[-1], dtype=torch.long, device=device)
+        rows = CATCH_UP_BUCKETS[-1]
+        self.features = torch.zeros(rows, proposer.drafter.fc.in_features, dtype=dtype,
+                                    device=device)
+        self.places = torch.zeros(3, rows, dtype=torch.long, device=device)  # position, slot, place
+        self.spare_slot = proposer.ctx_k.shape[1] - 1
         self.graphs: dict[int, tuple] = {}
+        self.catch_ups: dict[int, object] = {}
         self.pool = None
 
     def capture_all(self, max_drafts: int) -> None:
-        """Every bucket's graph (a block's drafts do not depend on max_drafts)."""
+        """Every bucket's graph (a block's drafts do not depend on max_drafts) and every
+        catch-up bucket's."""
         self.inputs.zero_()
         for bucket in reversed(self.buckets):
             if bucket not in self.graphs:
                 self.graphs[bucket] = self._capture(bucket)
+        self.places[1].fill_(self.spare_slot)
+        for rows in reversed(CATCH_UP_BUCKETS):
+            if rows not in self.catch_ups:
+                self.catch_ups[rows] = self._capture_catch_up(rows)
 
     def run(self, slots, pending, positions, lens):
         n = slots.shape[0]
@@ -283,12 +308,37 @@ class DFlashGraphs:
         graph.replay()
         return tokens[:n], logp[:n]
 
+    def write(self, features: torch.Tensor, positions: list[int], slots: list[int],
+              places: list[int]) -> bool:
+        """The catch-up of `features` [n, F] into (slot, place) by replay; False when n is
+        above the largest bucket (the caller then runs it eagerly)."""
+        n = features.shape[0]
+        rows = bucket_for(CATCH_UP_BUCKETS, n)
+        if rows is None:
+            return False
+        pad = rows - n
+        self.places[:, :rows].copy_(to_device([positions + [0] * pad,
+                                               slots + [self.spare_slot] * pad,
+                                               places + [0] * pad], features.device))
+        self.features[:n].copy_(features)
+        if rows not in self.catch_ups:
+            self.catch_ups[rows] = self._capture_catch_up(rows)
+        self.catch_ups[rows].replay()
+        return True
+
     def _capture(self, bucket: int):
         p = self.proposer
         args = [row[:bucket] for row in self.inputs]
         graph, (tokens, logp) = capture(lambda: p._greedy(*args, p.window), self.pool)
         self.pool = graph.pool()
         return graph, tokens, logp
+
+    def _capture_catch_up(self, rows: int):
+        p, (positions, slots, places) = self.proposer, self.places[:, :rows]
+        graph, _ = capture(lambda: p._write(self.features[:rows], positions, slots, places),
+                           self.pool)
+        self.pool = graph.pool()
+        return graph
 
 
 def _theta(cfg: dict) -> float:

@@ -4,6 +4,7 @@ what it proposes after a fresh prefill of the same committed tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import checkpoints
 from conftest import PROMPTS
@@ -108,3 +109,51 @@ def test_drafter_catches_up_on_rows_held_through_rounds_without_drafts(
     after_prefill = proposal_after_prefill(model_dir, kw, seq)
     assert after_rounds.tokens == after_prefill.tokens
     assert after_rounds.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
+
+
+class _Replayed:
+    """A CUDA graph's stand-in off the GPU: each replay reruns the captured step and copies its
+    results (if any) into the tensors the capture returned."""
+
+    def __init__(self, step, out):
+        self.step, self.out = step, out
+
+    def replay(self):
+        fresh = self.step()
+        for static, new in zip(self.out or (), fresh or ()):
+            static.copy_(new)
+
+    def pool(self):
+        return None
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_dflash_catch_up_graphs_write_what_the_eager_catch_up_writes(
+        checkpoint, dflash_drafter, monkeypatch, device):
+    """With DFlash's captured catch-up (a graph per row bucket, its padding rows written into
+    the spare slot) and proposals, the context windows, the drafts and the outputs equal those
+    of the eager path, for sequences of different lengths and acceptance."""
+    from metrale.drafting import dflash
+    if device == "cpu":
+        monkeypatch.setattr(dflash, "capture", lambda step, pool: (_Replayed(step, out := step()), out))
+    model_dir = checkpoint("qwen3_5")
+    kw = dict(device=device, dtype="float32", block_size=4, speculative_method="dflash",
+              drafter=dflash_drafter("qwen3_5"), num_drafts=3, adaptive_drafts=False,
+              cuda_graphs=False)
+    eager, graphed = LLM(model_dir, **kw), LLM(model_dir, **kw)
+    assert eager.worker.proposer.graphs is None
+    p = graphed.worker.proposer
+    p.graphs = dflash.DFlashGraphs(p, 4)
+    p.graphs.capture_all(3)
+    wrote, write = [], p.graphs.write
+    p.graphs.write = lambda *args: wrote.append(write(*args)) or wrote[-1]
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    outs = [llm.generate(PROMPTS[:3], params) for llm in (eager, graphed)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert [o.spec.drafts_accepted for o in outs[0]] == [o.spec.drafts_accepted for o in outs[1]]
+    assert wrote and all(wrote)   # every catch-up replayed a graph
+    a, b = eager.worker.proposer, p
+    assert a.ctx_len == b.ctx_len and any(a.ctx_len)
+    for slot, n in enumerate(a.ctx_len):
+        assert torch.allclose(a.ctx_k[:, slot, :n], b.ctx_k[:, slot, :n], atol=1e-5)
+        assert torch.allclose(a.ctx_v[:, slot, :n], b.ctx_v[:, slot, :n], atol=1e-5)
