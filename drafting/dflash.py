@@ -48,17 +48,43 @@ class DFlashLayer(nn.Module):
     def forward(self, x, cos_sin, ctx_k, ctx_v, ctx_mask):
         """x: [B, g, hidden] the block; ctx_k/v: [B, W, kv_heads, head_dim]; ctx_mask: [B, W]."""
         a = self.self_attn
+        if hasattr(a, "qkv"):
+            return self._fused(x, cos_sin, ctx_k, ctx_v, ctx_mask)
         h = self.input_layernorm(x)
         q = Rotary.apply(a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.head_dim))), *cos_sin)
         k, v = self.keys_values(h, cos_sin)
+        x = x + a.o_proj(self._attend(q, k, v, ctx_k, ctx_v, ctx_mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _fused(self, x, cos_sin, ctx_k, ctx_v, ctx_mask):
+        """The same over the block's rows with the Triton kernels (on the GPU): one norm, one
+        q/k/v GEMM, one norm+rotary kernel each for q and k, the residual add with the second
+        norm, and the MLP's gate/up GEMM with one activation kernel."""
+        a, (b, g, hidden) = self.self_attn, x.shape
+        rows = x.reshape(b * g, hidden)
+        cos, sin = (t.reshape(b * g, 1, -1) for t in cos_sin)
+        qkv = F.linear(self.input_layernorm.fused(rows), a.qkv).unflatten(
+            -1, (self.heads + 2 * self.kv_heads, self.head_dim))
+        q = a.q_norm.fused_rope(qkv[:, :self.heads], cos, sin)
+        k = a.k_norm.fused_rope(qkv[:, self.heads:self.heads + self.kv_heads], cos, sin)
+        v = qkv[:, self.heads + self.kv_heads:]
+        out = a.o_proj(self._attend(q.view(b, g, self.heads, self.head_dim),
+                                    k.view(b, g, self.kv_heads, self.head_dim),
+                                    v.reshape(b, g, self.kv_heads, self.head_dim),
+                                    ctx_k, ctx_v, ctx_mask)).reshape(b * g, hidden)
+        h, rows = self.post_attention_layernorm.fused(out, rows)
+        return (rows + self.mlp(h, fused=True)).view(b, g, hidden)
+
+    def _attend(self, q, k, v, ctx_k, ctx_v, ctx_mask):
+        """The block's queries over the context and the block (non-causal within it):
+        [B, g, heads * head_dim]."""
         keys, values = torch.cat((ctx_k, k), 1), torch.cat((ctx_v, v), 1)
-        block_mask = torch.ones(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
-        mask = torch.cat((ctx_mask, block_mask), 1)[:, None, None, :]   # non-causal within the block
+        block_mask = torch.ones(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
+        mask = torch.cat((ctx_mask, block_mask), 1)[:, None, None, :]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
                                              values.transpose(1, 2), attn_mask=mask,
                                              scale=self.head_dim ** -0.5, enable_gqa=True)
-        x = x + a.o_proj(out.transpose(1, 2).flatten(2))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return out.transpose(1, 2).flatten(2)
 
 
 class DFlashDrafter(nn.Module):
@@ -134,9 +160,12 @@ class DFlashProposer:
         drafter.load_state_dict(state, assign=True)
         drafter.rotary = Rotary(drafter.rotary.rotary_dim, _theta(cfg)).to(device)  # off meta
         self.drafter, self.target = drafter.eval(), target
-        if kernels.runs_on(device):
+        if kernels.runs_on(device):   # q/k/v and gate/up in one tensor each (views of it)
             for layer in drafter.layers:
-                fuse(layer.self_attn, "kv", [layer.self_attn.k_proj, layer.self_attn.v_proj])
+                a = layer.self_attn
+                fuse(a, "qkv", [a.q_proj, a.k_proj, a.v_proj])
+                a.kv = a.qkv[a.q_proj.weight.shape[0]:]
+                fuse(layer.mlp, "gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
         layer = drafter.layers[0]
         # Context: per slot and draft layer, the K/V of the committed positions' features,
         # a window of the most recent `window` rows with their absolute positions.

@@ -386,3 +386,25 @@ def test_mtp_chain_graphs_draft_what_the_eager_chain_drafts(checkpoint, monkeypa
         assert tokens[i, :r.num_drafts].tolist() == e.tokens
         assert logp[i, :r.num_drafts].tolist() == pytest.approx(e.confidence, abs=1e-5)
     assert set(graphs.graphs) == {(4, 3)}
+
+
+def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter):
+    """The drafter's fused path (q/k/v and gate/up GEMMs, norm kernels) gives the block logits
+    of its plain torch modules, over context windows filled by a few rounds."""
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="float32", block_size=4,
+              attention_backend="triton", cuda_graphs=False, speculative_method="dflash",
+              drafter=dflash_drafter("qwen3_5"), num_drafts=3, adaptive_drafts=False)
+    p = llm.worker.proposer
+    assert all(hasattr(layer.self_attn, "qkv") for layer in p.drafter.layers)
+    llm.generate(["def schedule(self, tokens):", "The café engine"],
+                 SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    slots = [s for s, n in enumerate(p.ctx_len) if n][:2]
+    args = [torch.tensor(v, device=DEVICE) for v in
+            (slots, [5, 7], [p.ctx_len[s] for s in slots], [p.ctx_len[s] for s in slots])]
+    fused = p._block_logits(*args, p.window)
+    for layer in p.drafter.layers:
+        del layer.self_attn.qkv, layer.self_attn.kv, layer.mlp.gate_up
+    plain = p._block_logits(*args, p.window)
+    assert len(slots) == 2 and rel_err(fused, plain) < 1e-5
