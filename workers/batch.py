@@ -2,54 +2,20 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 
-_NUMPY = {torch.long: np.int64, torch.int32: np.int32}
-
-
-class _Staging:
-    """Pinned host memory that small host-to-device copies leave from: a ring of slots, a slot
-    taken again once the copy that last left from it is done (long before, as a rule)."""
-    SLOTS, SLOT_BYTES = 64, 64 << 10
-
-    def __init__(self):
-        self.memory = torch.empty(self.SLOTS * self.SLOT_BYTES, dtype=torch.uint8, pin_memory=True)
-        self.left = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        self.next = 0
-        self.lock = threading.Lock()   # in-process workers each step on their own thread
-
-    def send(self, array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if array.nbytes > self.SLOT_BYTES:
-            return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
-        with self.lock:
-            i, self.next = self.next, (self.next + 1) % self.SLOTS
-            self.left[i].synchronize()
-            start = i * self.SLOT_BYTES
-            host = self.memory[start:start + array.nbytes].view(dtype).view(array.shape)
-            host.numpy()[...] = array
-            out = host.to(device, non_blocking=True)
-            self.left[i].record(torch.cuda.current_stream(device))
-        return out
-
-
-_staging: _Staging | None = None
-
-
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Host values (lists or a numpy array) as a tensor on `device`. On CUDA they leave from
     pinned memory without waiting: a copy from pageable memory first waits for every kernel
     queued before it, and the host could no longer run ahead of the device."""
+    t = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return torch.as_tensor(values, dtype=dtype).to(device)
-    global _staging
-    if _staging is None:
-        _staging = _Staging()
-    return _staging.send(np.asarray(values, dtype=_NUMPY[dtype]), dtype, device)
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
