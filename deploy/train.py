@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from metrale.drafting.dflash import DFlashDrafter
+from metrale.drafting.dflash import DFlashDrafter, block_mask
 from metrale.drafting.mtp import MTPHead
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.models.config import ModelConfig
@@ -397,13 +397,13 @@ def train_dflash(cfg: TrainConfig, target, data: Rollouts, device):
             blk_cs = tuple(t.view(cfg.batch * nb, g, 1, -1) for t in
                            drafter.rotary.cos_sin(block_pos.flatten(), feats.dtype))
             ctx_mask = (torch.arange(L, device=device)[None, None, :] < anchors[..., None])
-            ctx_mask = ctx_mask.flatten(0, 1)                                        # [B*nb, L]
+            mask = block_mask(ctx_mask.flatten(0, 1), g)                             # [B*nb, 1, 1, L+g]
             x = embed(block).flatten(0, 1)                                           # [B*nb, g, H]
             for layer in drafter.layers:
                 k, v = layer.keys_values(feats, ctx_cs)                              # [B, L, kv, d]
                 k = k.repeat_interleave(nb, dim=0)
                 v = v.repeat_interleave(nb, dim=0)
-                x = layer(x, blk_cs, k, v, ctx_mask)
+                x = layer(x, blk_cs, k, v, mask)
             logits = F.linear(drafter.norm(x[:, 1:]), embed.weight).float()        # [B*nb, g-1, V]
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
         loss = (ce.view(-1, g - 1) * weights).sum(-1).mean() / weights.sum()

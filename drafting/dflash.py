@@ -19,6 +19,13 @@ from metrale.workers.models.layers import MLP, RMSNorm, Rotary
 from metrale.workers.models.loader import read_tensors
 
 
+def block_mask(ctx_mask: torch.Tensor, block: int) -> torch.Tensor:
+    """The attention mask of a block of `block` queries ([B, 1, 1, W + block]): the context rows
+    `ctx_mask` [B, W] allows, then every row of the block (non-causal within it)."""
+    whole = torch.ones(ctx_mask.shape[0], block, dtype=torch.bool, device=ctx_mask.device)
+    return torch.cat((ctx_mask, whole), 1)[:, None, None, :]
+
+
 class DFlashLayer(nn.Module):
     """A Qwen3-style layer whose keys and values also come from the context features."""
 
@@ -45,18 +52,18 @@ class DFlashLayer(nn.Module):
         k = a.k_norm(a.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)))
         return Rotary.apply(k, *cos_sin), a.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
 
-    def forward(self, x, cos_sin, ctx_k, ctx_v, ctx_mask):
-        """x: [B, g, hidden] the block; ctx_k/v: [B, W, kv_heads, head_dim]; ctx_mask: [B, W]."""
+    def forward(self, x, cos_sin, ctx_k, ctx_v, mask):
+        """x: [B, g, hidden] the block; ctx_k/v: [B, W, kv_heads, head_dim]; mask: block_mask's."""
         a = self.self_attn
         if hasattr(a, "qkv"):
-            return self._fused(x, cos_sin, ctx_k, ctx_v, ctx_mask)
+            return self._fused(x, cos_sin, ctx_k, ctx_v, mask)
         h = self.input_layernorm(x)
         q = Rotary.apply(a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.head_dim))), *cos_sin)
         k, v = self.keys_values(h, cos_sin)
-        x = x + a.o_proj(self._attend(q, k, v, ctx_k, ctx_v, ctx_mask))
+        x = x + a.o_proj(self._attend(q, k, v, ctx_k, ctx_v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _fused(self, x, cos_sin, ctx_k, ctx_v, ctx_mask):
+    def _fused(self, x, cos_sin, ctx_k, ctx_v, mask):
         """The same over the block's rows with the Triton kernels (on the GPU): one norm, one
         q/k/v GEMM, one norm+rotary kernel each for q and k, the residual add with the second
         norm, and the MLP's gate/up GEMM with one activation kernel."""
@@ -71,16 +78,14 @@ class DFlashLayer(nn.Module):
         out = a.o_proj(self._attend(q.view(b, g, self.heads, self.head_dim),
                                     k.view(b, g, self.kv_heads, self.head_dim),
                                     v.reshape(b, g, self.kv_heads, self.head_dim),
-                                    ctx_k, ctx_v, ctx_mask)).reshape(b * g, hidden)
+                                    ctx_k, ctx_v, mask)).reshape(b * g, hidden)
         h, rows = self.post_attention_layernorm.fused(out, rows)
         return (rows + self.mlp(h, fused=True)).view(b, g, hidden)
 
-    def _attend(self, q, k, v, ctx_k, ctx_v, ctx_mask):
-        """The block's queries over the context and the block (non-causal within it):
+    def _attend(self, q, k, v, ctx_k, ctx_v, mask):
+        """The block's queries over the context and the block under `mask`:
         [B, g, heads * head_dim]."""
         keys, values = torch.cat((ctx_k, k), 1), torch.cat((ctx_v, v), 1)
-        block_mask = torch.ones(q.shape[0], q.shape[1], dtype=torch.bool, device=q.device)
-        mask = torch.cat((ctx_mask, block_mask), 1)[:, None, None, :]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
                                              values.transpose(1, 2), attn_mask=mask,
                                              scale=self.head_dim ** -0.5, enable_gqa=True)
@@ -269,10 +274,10 @@ class DFlashProposer:
         cos_sin = tuple(t.unflatten(0, (n, g)) for t in d.rotary.cos_sin(
             (positions[:, None] + torch.arange(g, device=slots.device)[None, :]).flatten(),
             x.dtype))
-        ctx_mask = torch.arange(width, device=slots.device)[None, :] < lens[:, None]
+        mask = block_mask(torch.arange(width, device=slots.device)[None, :] < lens[:, None], g)
         for li, layer in enumerate(d.layers):
             x = layer(x, cos_sin, self.ctx_k[li, slots, :width], self.ctx_v[li, slots, :width],
-                      ctx_mask)
+                      mask)
         return self.target.lm_head(d.norm(x[:, 1:])).float()
 
     def _greedy(self, slots, pending, positions, lens, width: int):
