@@ -205,8 +205,7 @@ class Scheduler:
                 break
             if (self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1
                     or seq.params.grammar is not None or seq.params.constraint is not None
-                    or len(seq.output_ids) + 1 >= seq.params.max_tokens
-                    or seq.num_tokens + 1 >= self.max_model_len
+                    or self._tokens_left(seq) <= 1
                     or not self.blocks.can_append(seq.block_table, seq.num_tokens + 1)):
                 continue
             self.blocks.append(seq.block_table, seq.num_tokens + 1)
@@ -310,9 +309,12 @@ class Scheduler:
         step's remaining token budget, or what max_tokens and the context can still take."""
         if not k:
             return 0
-        left = min(seq.params.max_tokens - len(seq.output_ids),
-                   self.max_model_len - seq.num_tokens)
-        return max(0, min(k, self.capacity.slot_capacity[seq.slot], room, left - 1))
+        return max(0, min(k, self.capacity.slot_capacity[seq.slot], room,
+                          self._tokens_left(seq) - 1))
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """Tokens the sequence may still emit, by max_tokens and by the context length."""
+        return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
 
     def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict) -> None:
         """Feeds the draft policy a step's acceptance, and its time when every sequence of it
@@ -349,7 +351,7 @@ class Scheduler:
             seq.text += seq.detokenizer.step(seq.output_ids[:-1], final=True)
             self._finish(seq, "stop")
             return
-        at_length = len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        at_length = self._tokens_left(seq) <= 0
         seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
         if p.stop and self._cut_at_stop_string(seq):
             self._finish(seq, "stop")
