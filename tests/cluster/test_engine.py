@@ -180,14 +180,17 @@ def test_drafts_per_round_default(checkpoint, method, expected):
 # -- two plans in flight: the worker never waits for its next plan ------------------------------
 
 class RecordingExecutor(LocalExecutor):
-    """A real worker that notes, for every plan it is sent, the plans still pending then."""
+    """A real worker that keeps every plan it is sent, in order, and notes for each the plans
+    still pending then."""
 
     def __init__(self, worker):
         super().__init__(worker)
+        self.plans = []
         self.pending: list[set[int]] = []
         self.overlaps: list[tuple[set[int], list[set[int]]]] = []
 
     async def execute(self, plan):
+        self.plans.append(plan)
         ids = {w.seq_id for w in plan.work}
         self.overlaps.append((ids, [set(p) for p in self.pending]))
         self.pending.append(ids)
@@ -228,18 +231,6 @@ def test_plans_in_flight_hold_disjoint_halves_and_keep_the_output(checkpoint, de
         assert len(ids) <= -(-len(prompts) // depth)
 
 
-class PlanLog(LocalExecutor):
-    """A real worker that keeps every plan it is sent, in order."""
-
-    def __init__(self, worker):
-        super().__init__(worker)
-        self.plans = []
-
-    async def execute(self, plan):
-        self.plans.append(plan)
-        return await super().execute(plan)
-
-
 def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint):
     """Plain decoding with two plans in flight: the second plan carries the same sequences one
     token ahead (the worker fills in the token it sampled). Greedy and seeded sampled outputs,
@@ -261,7 +252,7 @@ def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint):
     assert len(expected[0][0]) == 6   # it stopped at its stop token, 8 tokens before max_tokens
 
     async def run():
-        executor = PlanLog(Worker(WorkerConfig(str(model_dir), "cpu", **config)))
+        executor = RecordingExecutor(Worker(WorkerConfig(str(model_dir), "cpu", **config)))
         eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8, steps_in_flight=2),
                                   None, load_tokenizer(model_dir))
         eng.start()
