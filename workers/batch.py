@@ -18,6 +18,12 @@ def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> 
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def uniform_length(seqs: list["SeqRows"]) -> int | None:
+    """The common chunk length when every sequence has the same number of rows (decode, verify)."""
+    lengths = {s.length for s in seqs}
+    return lengths.pop() if len(lengths) == 1 else None
+
+
 @dataclass
 class SeqRows:
     """One sequence's rows in a forward: `length` tokens starting at absolute position `context_len`."""
@@ -51,9 +57,7 @@ class ForwardBatch:
 
     @property
     def uniform_length(self) -> int | None:
-        """The common chunk length when every sequence has the same number of rows (decode, verify)."""
-        lengths = {s.length for s in self.seqs}
-        return lengths.pop() if len(lengths) == 1 else None
+        return uniform_length(self.seqs)
 
     @property
     def max_q_len(self) -> int:
@@ -97,8 +101,7 @@ class RowsLayout:
 
     @property
     def uniform_length(self) -> int | None:
-        lengths = {s.length for s in self.seqs}
-        return lengths.pop() if len(lengths) == 1 else None
+        return uniform_length(self.seqs)
 
     def to(self, device: torch.device, backend: str = "torch") -> ForwardBatch:
         """The rows' ids, positions and slots cross to the device in one copy; for the kernels
