@@ -80,8 +80,9 @@ class MTPProposer:
             fuse_projections(self.head.layers)
         self.kv = PagedKVCache(cfg.mtp_num_hidden_layers, num_blocks, block_size,
                                cfg.num_key_value_heads, cfg.head_dim, dtype, device)
-        # Stash: the MTP output at each slot's last committed row, which yields the first draft.
-        self.stash = torch.zeros(num_slots, cfg.hidden_size, dtype=dtype, device=device)
+        # Stash: the MTP output at each slot's last committed row, which yields the first draft
+        # (one row more, written by the padding sequences of a captured catch-up).
+        self.stash = torch.zeros(num_slots + 1, cfg.hidden_size, dtype=dtype, device=device)
         self.stash_pos = [0] * num_slots
         self.block_size, self.max_batch = block_size, max_batch
         self.held = HeldRows()
@@ -108,17 +109,19 @@ class MTPProposer:
 
     @torch.inference_mode()
     def _catch_up(self, rows: list[CommittedRows]) -> None:
-        """MTP rows for every committed position, including serially decoded ones."""
+        """MTP rows for every committed position, including serially decoded ones: by replay of
+        a captured catch-up when one fits, else eagerly."""
         if not rows:
             return
-        batch = ForwardBatch.build([(r.next_tokens, r.start, r.block_table, -1) for r in rows],
-                                   self.block_size, self.stash.device, self.backend)
-        out = self._run(batch, gather_rows(rows, lambda r: [r.step_hidden]))
-        last = [s.start + s.length - 1 for s in batch.seqs]
-        index = to_device([[r.slot for r in rows], last], out.device)
-        self.stash[index[0]] = out[index[1]]
-        for r, s in zip(rows, batch.seqs):
-            self.stash_pos[r.slot] = s.context_len + s.length - 1
+        if self.graphs is None or not self.graphs.catch_up(rows):
+            batch = ForwardBatch.build([(r.next_tokens, r.start, r.block_table, -1) for r in rows],
+                                       self.block_size, self.stash.device, self.backend)
+            out = self._run(batch, gather_rows(rows, lambda r: [r.step_hidden]))
+            last = [s.start + s.length - 1 for s in batch.seqs]
+            index = to_device([[r.slot for r in rows], last], out.device)
+            self.stash[index[0]] = out[index[1]]
+        for r in rows:
+            self.stash_pos[r.slot] = r.start + len(r.tokens) - 1
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
@@ -168,10 +171,16 @@ class MTPProposer:
         return proposals
 
 
+CATCH_UP_LENGTHS = (1, 2, 4, 8, 16)   # rows per sequence of a captured catch-up, padded up
+
+
 class MTPGraphs:
     """CUDA graphs of greedy MTP chains per batch bucket and k: k argmaxes over the target's
     lm_head and the k - 1 MTP layer runs between them, positions and KV slots computed on the
-    device from static inputs (each row's slot, stashed position and block table)."""
+    device from static inputs (each row's slot, stashed position and block table). And of the
+    catch-up per batch bucket and rows per sequence L: each sequence's committed rows padded to
+    L, the padding rows' K/V written into the spare block and the padding sequences' stash into
+    the spare stash row."""
 
     def __init__(self, proposer: MTPProposer, max_batch: int, spare_block: int):
         self.p, self.spare = proposer, spare_block
@@ -183,11 +192,18 @@ class MTPGraphs:
         self.last = torch.zeros(n, dtype=torch.long, device=device)   # stashed row's position
         self.tables = torch.full((n, width), spare_block, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], tuple] = {}
+        # catch-up inputs: each row's next token, then each sequence's start, rows and slot
+        rows = n * CATCH_UP_LENGTHS[-1]
+        self.caught = torch.zeros(rows + 3 * n, dtype=torch.long, device=device)
+        self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=cfg.dtype, device=device)
+        self.catch_ups: dict[tuple[int, int], object] = {}
         self.pool = None
 
+    @torch.inference_mode()
     def capture_all(self, max_drafts: int) -> None:
-        """Every bucket's chain for k = 1..max_drafts (a capture met while serving would
-        stall its round: kernels compile for the chain's shapes), over the spare block."""
+        """Every bucket's chain for k = 1..max_drafts and catch-up for up to max_drafts + 1 rows
+        per sequence (a capture met while serving would stall its round: kernels compile for
+        the graph's shapes), over the spare block."""
         self.slots.zero_()
         self.last.zero_()
         self.tables.fill_(self.spare)
@@ -195,32 +211,106 @@ class MTPGraphs:
             for bucket in reversed(self.buckets):
                 if (bucket, k) not in self.graphs:
                     self.graphs[bucket, k] = self._capture(bucket, k)
+        most = bucket_for(CATCH_UP_LENGTHS, max_drafts + 1) or CATCH_UP_LENGTHS[-1]
+        for length in CATCH_UP_LENGTHS[:CATCH_UP_LENGTHS.index(most) + 1]:
+            for bucket in reversed(self.buckets):
+                if (bucket, length) not in self.catch_ups:
+                    self.catch_ups[bucket, length] = self._capture_catch_up(bucket, length)
 
     def run(self, requests: list[ProposeRequest], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens and log-probabilities [len(requests), k], on the device."""
         n, p = len(requests), self.p
         bucket = bucket_for(self.buckets, n)
-        width = max(len(r.block_table) for r in requests)
-        device = self.slots.device
-        tables = to_device([list(r.block_table) + [self.spare] * (width - len(r.block_table))
-                            for r in requests] + [[self.spare] * width] * (bucket - n),
-                           device, torch.int32)
+        self._tables([r.block_table for r in requests], bucket)
         rows = to_device([[r.slot for r in requests] + [0] * (bucket - n),
-                          [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)], device)
+                          [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)],
+                         self.slots.device)
         self.slots[:bucket].copy_(rows[0])
         self.last[:bucket].copy_(rows[1])
-        self.tables[:bucket].fill_(self.spare)
-        self.tables[:bucket, :width].copy_(tables)
         if (bucket, k) not in self.graphs:
             self.graphs[bucket, k] = self._capture(bucket, k)
         graph, tokens, logp = self.graphs[bucket, k]
         graph.replay()
         return tokens[:n], logp[:n]
 
+    def catch_up(self, rows: list[CommittedRows]) -> bool:
+        """The MTP rows and stash of `rows` by replay; False when they do not fit a captured
+        shape (more sequences than the largest bucket, or more rows than the longest length),
+        and the caller runs them eagerly."""
+        n = len(rows)
+        bucket = bucket_for(self.buckets, n)
+        length = bucket_for(CATCH_UP_LENGTHS, max(len(r.tokens) for r in rows))
+        if bucket is None or length is None:
+            return False
+        pad = bucket - n
+        tokens = [0] * (bucket * length)
+        source = [0] * (bucket * length)   # each row's row in the step's hidden states
+        shared = all(r.step_hidden is rows[0].step_hidden for r in rows)
+        for i, r in enumerate(rows):
+            tokens[i * length:i * length + len(r.next_tokens)] = r.next_tokens
+            if shared:
+                first = r.rows.indices(r.step_hidden.shape[0])[0]
+                source[i * length:i * length + len(r.tokens)] = range(first, first + len(r.tokens))
+            else:   # held rows joined from several steps: one copy per sequence
+                self.hidden[i * length:i * length + len(r.tokens)].copy_(r.hidden)
+        if shared:
+            torch.index_select(rows[0].step_hidden, 0, to_device(source, self.hidden.device),
+                               out=self.hidden[:bucket * length])
+        self.caught[:bucket * (length + 3)].copy_(to_device(
+            tokens + [r.start for r in rows] + [0] * pad + [len(r.tokens) for r in rows]
+            + [1] * pad + [r.slot for r in rows] + [self.p.stash.shape[0] - 1] * pad,
+            self.caught.device))
+        self._tables([r.block_table for r in rows], bucket)
+        if (bucket, length) not in self.catch_ups:
+            self.catch_ups[bucket, length] = self._capture_catch_up(bucket, length)
+        self.catch_ups[bucket, length].replay()
+        return True
+
+    def _tables(self, tables: list[list[int]], bucket: int) -> None:
+        """`tables` into the first rows of the static tables, the rest and the padding
+        sequences' pointing at the spare block."""
+        width = max(len(t) for t in tables)
+        padded = to_device([list(t) + [self.spare] * (width - len(t)) for t in tables]
+                           + [[self.spare] * width] * (bucket - len(tables)),
+                           self.tables.device, torch.int32)
+        self.tables[:bucket].fill_(self.spare)
+        self.tables[:bucket, :width].copy_(padded)
+
     def _capture(self, bucket: int, k: int):
         graph, out = capture(lambda: self._chain(bucket, k), self.pool)
         self.pool = graph.pool()
         return graph, *out
+
+    def _capture_catch_up(self, bucket: int, length: int):
+        # captured over padding sequences only: one row each, into the spare block and stash row
+        rows = bucket * length
+        self.caught[:rows + bucket].zero_()
+        self.caught[rows + bucket:rows + 2 * bucket].fill_(1)
+        self.caught[rows + 2 * bucket:rows + 3 * bucket].fill_(self.p.stash.shape[0] - 1)
+        self.tables[:bucket].fill_(self.spare)
+        graph, _ = capture(lambda: self._catch_up(bucket, length), self.pool)
+        self.pool = graph.pool()
+        return graph
+
+    def _catch_up(self, n: int, length: int) -> None:
+        """The eager catch-up's forward over n sequences of `length` rows each, of which
+        sequence i's first count[i] are real; writes the stash at each one's last real row."""
+        p, bs, device = self.p, self.p.block_size, self.slots.device
+        rows = n * length
+        tokens = self.caught[:rows]
+        start, count, slot = self.caught[rows:rows + 3 * n].view(3, n)
+        offset = torch.arange(length, device=device)
+        real = offset[None, :] < count[:, None]
+        pos = torch.where(real, start[:, None] + offset[None, :], start[:, None])
+        tables = self.tables[:n]
+        block = tables.gather(1, pos // bs).long()
+        kv_slot = torch.where(real, block * bs + pos % bs, self.spare * bs)
+        q_start = torch.arange(0, rows, length, dtype=torch.int32, device=device)
+        seqs = [SeqRows(i * length, length, 0, None, -1) for i in range(n)]
+        batch = ForwardBatch(tokens, pos.flatten(), kv_slot.flatten(), seqs, bs, q_start,
+                             count.int(), start.int(), tables, None, backend="triton")
+        out = p._run(batch, self.hidden[:rows])
+        p.stash[slot] = out[q_start.long() + count - 1]
 
     def _chain(self, n: int, k: int):
         p, bs = self.p, self.p.block_size

@@ -349,7 +349,7 @@ class _Replayed:
         self.step, self.out = step, out
 
     def replay(self):
-        for static, fresh in zip(self.out, self.step()):
+        for static, fresh in zip(self.out or (), self.step() or ()):
             static.copy_(fresh)
 
     def pool(self):
@@ -386,6 +386,61 @@ def test_mtp_chain_graphs_draft_what_the_eager_chain_drafts(checkpoint, monkeypa
         assert tokens[i, :r.num_drafts].tolist() == e.tokens
         assert logp[i, :r.num_drafts].tolist() == pytest.approx(e.confidence, abs=1e-5)
     assert set(graphs.graphs) == {(4, 3)}
+
+
+def test_mtp_catch_up_graphs_write_what_the_eager_catch_up_writes(checkpoint, monkeypatch):
+    """With MTP's captured catch-up (per batch bucket and rows per sequence, short sequences'
+    padding rows and the padding sequences written into the spare block and stash row), the
+    stash and MTP K/V equal the eager catch-up's: for rows of different lengths given directly,
+    then while generating (same tokens and accepted drafts; a prompt, longer than the longest
+    captured length, catches up eagerly)."""
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    from metrale.drafting import mtp
+    from metrale.drafting.proposer import CommittedRows
+    if DEVICE == "cpu":
+        monkeypatch.setattr(mtp, "capture", lambda step, pool: (_Replayed(step, out := step()), out))
+    kw = dict(device=DEVICE, dtype="float32", block_size=4, attention_backend="triton",
+              cuda_graphs=False, speculative_method="mtp", num_drafts=3, adaptive_drafts=False)
+    eager, graphed = LLM(checkpoint("qwen3_5"), **kw), LLM(checkpoint("qwen3_5"), **kw)
+    a, p = eager.worker.proposer, graphed.worker.proposer
+    spare = graphed.worker.kv.num_blocks - 1
+    p.graphs = mtp.MTPGraphs(p, 4, spare)
+    p.graphs.capture_all(3)
+    assert set(p.graphs.catch_ups) == {(b, n) for b in (1, 2, 4) for n in (1, 2, 4)}
+    replayed, catch_up = [], p.graphs.catch_up
+    p.graphs.catch_up = lambda rows: replayed.append(catch_up(rows)) or replayed[-1]
+
+    def same_state():
+        assert a.stash_pos == p.stash_pos
+        used = sorted({s for s, n in enumerate(p.stash_pos) if n})
+        assert used and torch.allclose(a.stash[used], p.stash[used], atol=1e-5)
+        assert torch.allclose(a.kv.k[:, :spare], p.kv.k[:, :spare], atol=1e-5)
+        assert torch.allclose(a.kv.v[:, :spare], p.kv.v[:, :spare], atol=1e-5)
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(12, a.stash.shape[1], generator=gen).to(DEVICE)
+    vocab = a.target.config.vocab_size
+    for lengths, starts in (((3, 1, 2, 4), (5, 0, 9, 2)), ((2, 2, 1), (8, 1, 11))):
+        rows, first = [], 0
+        for slot, (n, start) in enumerate(zip(lengths, starts)):
+            tokens = torch.randint(vocab, (n + 1,), generator=gen).tolist()
+            rows.append(CommittedRows(slot, start, tokens[:n], tokens[1:], hidden, [],
+                                      slice(first, first + n), [4 * slot + b for b in range(4)],
+                                      False))
+            first += n
+        for proposer in (a, p):
+            proposer._catch_up(rows)
+        same_state()
+    assert replayed == [True, True]
+    prompts = ["def schedule(self, tokens):", "The café engine", "x",
+               "a prompt of more rows than the longest captured catch-up takes"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = [llm.generate(prompts, params) for llm in (eager, graphed)]
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    assert [o.spec.drafts_accepted for o in outs[0]] == [o.spec.drafts_accepted for o in outs[1]]
+    assert True in replayed[2:] and False in replayed[2:]   # rounds replayed, a prompt did not
+    same_state()
 
 
 def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter):
