@@ -253,13 +253,15 @@ class MTPGraphs:
                 source[i * length:i * length + len(r.tokens)] = range(first, first + len(r.tokens))
             else:   # held rows joined from several steps: one copy per sequence
                 self.hidden[i * length:i * length + len(r.tokens)].copy_(r.hidden)
+        size = bucket * (length + 3)
+        sent = to_device(tokens + [r.start for r in rows] + [0] * pad
+                         + [len(r.tokens) for r in rows] + [1] * pad
+                         + [r.slot for r in rows] + [self.p.stash.shape[0] - 1] * pad
+                         + (source if shared else []), self.caught.device)
+        self.caught[:size].copy_(sent[:size])
         if shared:
-            torch.index_select(rows[0].step_hidden, 0, to_device(source, self.hidden.device),
+            torch.index_select(rows[0].step_hidden, 0, sent[size:],
                                out=self.hidden[:bucket * length])
-        self.caught[:bucket * (length + 3)].copy_(to_device(
-            tokens + [r.start for r in rows] + [0] * pad + [len(r.tokens) for r in rows]
-            + [1] * pad + [r.slot for r in rows] + [self.p.stash.shape[0] - 1] * pad,
-            self.caught.device))
         self._tables([r.block_table for r in rows], bucket)
         if (bucket, length) not in self.catch_ups:
             self.catch_ups[bucket, length] = self._capture_catch_up(bucket, length)

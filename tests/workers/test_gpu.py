@@ -28,3 +28,19 @@ def test_cuda_bfloat16_generates(checkpoint):
     out = llm.generate(["def f(x):"], SamplingParams(max_tokens=32, temperature=0.7, seed=1,
                                                      ignore_eos=True))[0]
     assert len(out.token_ids) == 32 and llm.worker.model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_to_device_copies_from_the_pinned_ring_arrive_intact():
+    """More small copies than the ring has slots, queued behind a long kernel: each arrives with
+    its own values (a slot is reused only once the copy that left from it is done)."""
+    from metrale.workers.batch import _Staging, to_device
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.randn(4096, 4096, device=device)
+    for _ in range(20):   # keeps the stream busy while the host queues the copies
+        x = x @ x / 64
+    sent = [to_device([[i, i + 1], [i * 3, -i]], device) for i in range(3 * _Staging.SLOTS)]
+    sent.append(to_device(list(range(40000)), device, torch.int32))   # above a slot: pinned anew
+    torch.cuda.synchronize()
+    for i, t in enumerate(sent[:-1]):
+        assert t.tolist() == [[i, i + 1], [i * 3, -i]] and t.dtype == torch.long
+    assert sent[-1].tolist() == list(range(40000)) and sent[-1].dtype == torch.int32
