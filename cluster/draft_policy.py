@@ -12,7 +12,6 @@ COST_CLIP = 3.0      # a step time above 3x the average counts as 3x (a stall, n
                      # one below a third of it replaces it (the average held a stall)
 PROBE_EVERY = 8      # a round in 8 runs a neighbour of the best k, so its figures stay current...
 PROBE_MOST = 64      # ...a round in up to 64 while probes keep confirming the best k
-SEQ_PRIOR = 4.0      # a sequence's own rates start from the lane's, worth this many of its rounds
 
 
 def batch_bucket(batch: int) -> int:
@@ -66,22 +65,11 @@ class Probes:
         return True
 
 
-class SeqAcceptance:
-    """One sequence's drafts per position: rounds that tried it (every draft before it accepted)
-    and rounds that accepted it."""
-    __slots__ = ("tried", "accepted")
-
-    def __init__(self, positions: int):
-        self.tried, self.accepted = [0] * positions, [0] * positions
-
-
 class DraftPolicy:
     """Chooses the drafts per sequence of a round, 0..max_drafts, that maximise expected committed
     tokens per second: E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j being the measured
     probability that draft j is accepted when drafts 1..j-1 were, over the measured step time of
-    k drafts at this batch size. Given the round's sequences, E is their mean, each sequence's
-    a_j its own rate shrunk towards the lane's (a batch's last sequences are often those that
-    accept least). Not adaptive, it always answers max_drafts."""
+    k drafts at this batch size. Not adaptive, it always answers max_drafts."""
 
     def __init__(self, max_drafts: int, adaptive: bool = True):
         self.max_drafts, self.adaptive = max_drafts, adaptive and max_drafts > 0
@@ -95,15 +83,14 @@ class DraftPolicy:
 
     # -- the choice ---------------------------------------------------------------------
 
-    def choose(self, batch: int, seqs: list[SeqAcceptance | None] = ()) -> int:
-        """k for a round of `batch` decoding sequences, whose own records are `seqs` when given
-        (the scheduler then caps it per sequence). Now and then a round tries the best k's
-        neighbour, alternately above and below, so a k that lost once (0 included) is measured
-        again and can win back (see Probes)."""
+    def choose(self, batch: int) -> int:
+        """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
+        Now and then a round tries the best k's neighbour, alternately above and below, so a k
+        that lost once (0 included) is measured again and can win back (see Probes)."""
         if not self.adaptive:
             return self.max_drafts
         bucket = batch_bucket(batch)
-        k = self.best(bucket, seqs)
+        k = self.best(bucket)
         probes = self.probes.setdefault(bucket, Probes())
         self.probed = probes.due(k)
         if self.probed:
@@ -111,37 +98,23 @@ class DraftPolicy:
         self.chosen[bucket] = self.last_k = k
         return k
 
-    def best(self, bucket: int, seqs: list[SeqAcceptance | None] = ()) -> int:
+    def best(self, bucket: int) -> int:
         """The k with the most expected tokens per second; max_drafts before any step is timed."""
         table = self._cost_table(bucket)
         if not table:
             return self.max_drafts
-        tokens = self.expected_tokens_by_k(seqs)
-        rates = [tokens[k] / self.step_seconds(table, k) for k in range(self.max_drafts + 1)]
+        rates = [self.expected_tokens(k) / self.step_seconds(table, k)
+                 for k in range(self.max_drafts + 1)]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     def expected_tokens(self, k: int) -> float:
-        """Committed tokens per sequence of a round of k drafts, at the lane's rates."""
-        return self.expected_tokens_by_k()[k]
-
-    def expected_tokens_by_k(self, seqs: list[SeqAcceptance | None] = ()) -> list[float]:
-        """Committed tokens per sequence of a round of k drafts, for k = 0..max_drafts: the bonus
-        or replacement token, plus draft i when it and every draft before it are accepted. With
-        `seqs`, their mean, each at a_j = (accepted_j + SEQ_PRIOR x lane a_j) / (tried_j +
-        SEQ_PRIOR); a sequence without a record takes the lane's rates."""
-        lane = self.acceptance_at()
-        reach_sum = [0.0] * self.max_drafts
-        for seq in seqs or (None,):
-            reach = 1.0
-            for i, a in enumerate(lane):
-                if seq is not None:
-                    a = (seq.accepted[i] + SEQ_PRIOR * a) / (seq.tried[i] + SEQ_PRIOR)
-                reach *= a
-                reach_sum[i] += reach
-        out, n = [1.0], max(len(seqs), 1)
-        for r in reach_sum:
-            out.append(out[-1] + r / n)
-        return out
+        """Committed tokens per sequence of a round of k drafts: the bonus or replacement token,
+        plus draft i when it and every draft before it are accepted."""
+        total, reach = 1.0, 1.0
+        for a in self.acceptance_at()[:k]:
+            reach *= a
+            total += reach
+        return total
 
     def acceptance_at(self) -> list[float]:
         return [(acc + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
@@ -176,20 +149,15 @@ class DraftPolicy:
 
     # -- measurements -------------------------------------------------------------------
 
-    def record_acceptance(self, outcomes: list[tuple]) -> None:
-        """One step's (drafts asked for, drafts accepted[, the sequence's SeqAcceptance]) per
-        sequence. Draft i was tried when drafts 1..i-1 were accepted; positions the step did not
-        reach keep their history."""
+    def record_acceptance(self, outcomes: list[tuple[int, int]]) -> None:
+        """One step's (drafts asked for, drafts accepted) per sequence. Draft i was tried when
+        drafts 1..i-1 were accepted; positions the step did not reach keep their history."""
         tried = [0] * self.max_drafts
         accepted = [0] * self.max_drafts
-        for proposed, acc, *own in outcomes:
-            seq = own[0] if own else None
+        for proposed, acc in outcomes:
             for i in range(min(proposed, acc + 1, self.max_drafts)):
                 tried[i] += 1
                 accepted[i] += i < acc
-                if seq is not None:
-                    seq.tried[i] += 1
-                    seq.accepted[i] += i < acc
         for i, n in enumerate(tried):
             if n:
                 self.tried[i] = DECAY * self.tried[i] + n

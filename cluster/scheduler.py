@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from metrale.cluster.block_manager import BlockManager, SlotAllocator
 from metrale.cluster.detokenizer import IncrementalDetokenizer
-from metrale.cluster.draft_policy import DraftPolicy, SeqAcceptance
+from metrale.cluster.draft_policy import DraftPolicy
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.plan import AHEAD, SeqWork, StepPlan, StepResult, WorkerCapacity
 from metrale.cluster.sequence import Sequence, Status, TokenLogprob
@@ -148,10 +148,7 @@ class Scheduler:
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
         decoding = sum(s.num_pending == 1 for s in idle)
-        k_round = 0
-        if decoding and self.num_drafts:
-            own = [s.acceptance for s in idle if s.num_pending == 1] if self.drafts.adaptive else ()
-            k_round = self.drafts.choose(decoding, own)
+        k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
             if budget == 0:
                 break
@@ -244,7 +241,7 @@ class Scheduler:
                     seq.logprobs.append(TokenLogprob(token, lp.logprob, list(lp.top)))
                 self._append_token(seq, token)
             touched.append(seq)
-        self._measure(plan, result, outcomes, by_id)
+        self._measure(plan, result, outcomes)
         return touched
 
     def forget(self, plan: StepPlan) -> None:
@@ -319,7 +316,7 @@ class Scheduler:
         """Tokens the sequence may still emit, by max_tokens and by the context length."""
         return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
 
-    def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict, by_id: dict) -> None:
+    def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict) -> None:
         """Feeds the draft policy a step's acceptance, and its time when every sequence of it
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
         asked for: one the proposer did not make gains no token, like a rejected one. The time
@@ -327,21 +324,12 @@ class Scheduler:
         per token (planning, transport, detokenising, stop checks) beside the worker's."""
         if not self.num_drafts:
             return
-        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted,
-                                        self._acceptance(by_id.get(w.seq_id)))
+        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
             span = time.perf_counter() - plan.planned_at if plan.planned_at else 0.0
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
                                     result.propose_s, max(result.forward_s, span - result.propose_s))
-
-    def _acceptance(self, seq: Sequence | None) -> SeqAcceptance | None:
-        """The sequence's own draft record (the draft policy's input), made on first use."""
-        if seq is None:
-            return None
-        if seq.acceptance is None:
-            seq.acceptance = SeqAcceptance(self.num_drafts)
-        return seq.acceptance
 
     @staticmethod
     def _draft_limit(requested: int, capacity: WorkerCapacity) -> int:

@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 from metrale.cluster.detokenizer import IncrementalDetokenizer
-from metrale.cluster.draft_policy import SeqAcceptance
 from metrale.cluster.params import SamplingParams
 from metrale.drafting.stats import SpecStats
 
@@ -45,7 +44,6 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
-    acceptance: SeqAcceptance | None = None   # its drafts per position, for the draft policy
 
     @property
     def tokens(self) -> list[int]:

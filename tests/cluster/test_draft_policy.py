@@ -8,8 +8,7 @@ import random
 import pytest
 
 from conftest import PROMPTS
-from metrale.cluster.draft_policy import (PROBE_EVERY, PROBE_MOST, SEQ_PRIOR, DraftPolicy,
-                                          SeqAcceptance, StepCost)
+from metrale.cluster.draft_policy import PROBE_EVERY, PROBE_MOST, DraftPolicy, StepCost
 from metrale.cluster.params import SamplingParams
 from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
@@ -121,29 +120,6 @@ def test_expected_tokens_and_step_time_estimates():
     one = {2: StepCost(0.001, 0.008)}
     assert DraftPolicy.step_seconds(one, 0) == pytest.approx(0.003)       # below: by rows
     assert DraftPolicy.step_seconds(one, 5) == pytest.approx(0.009)       # above: as if free
-
-
-def test_the_rounds_own_sequences_weigh_their_acceptance_against_the_lanes():
-    """Sequences whose drafts were rejected make the batch draft nothing, though the lane (its
-    other sequences) accepts well; a sequence's own rates start from the lane's."""
-    policy = DraftPolicy(3)
-    good, bad = SeqAcceptance(3), SeqAcceptance(3)
-    for _ in range(40):
-        policy.record_acceptance([(3, 3, good)] * 7 + [(3, 0, bad)])
-    assert good.tried == [280] * 3 and bad.tried == [40, 0, 0] and bad.accepted == [0, 0, 0]
-    lane = policy.acceptance_at()
-    assert policy.expected_tokens_by_k([None]) == pytest.approx(
-        policy.expected_tokens_by_k(), rel=1e-12)
-    assert policy.expected_tokens_by_k([bad])[1] == pytest.approx(
-        1 + SEQ_PRIOR * lane[0] / (40 + SEQ_PRIOR))
-    for batch in (1, 2):
-        policy.record_cost(batch, 0, 0.0, 0.010)      # warm-up, then measured
-        policy.record_cost(batch, 0, 0.0, 0.010)
-        policy.record_cost(batch, 3 * batch, 0.002, 0.014)
-        policy.record_cost(batch, 3 * batch, 0.002, 0.014)
-    assert policy.best(2) == 3 and policy.best(2, [good, bad]) == 3
-    assert policy.best(1, [bad]) == 0 and policy.best(1, [SeqAcceptance(3)]) == 3
-    assert policy.choose(1, [bad]) == 0
 
 
 def test_a_ks_first_round_is_a_warm_up_and_a_stall_counts_as_three_times_the_average():
