@@ -233,13 +233,10 @@ class Scheduler:
                 continue
             seq.spec.record(outcome.proposed, accepted)
             self.stats.record(outcome.proposed, accepted)
-            for i, token in enumerate(outcome.tokens):
-                if seq.finished:
-                    break
-                if seq.params.logprobs is not None and outcome.logprobs:
-                    lp = outcome.logprobs[i]
-                    seq.logprobs.append(TokenLogprob(token, lp.logprob, list(lp.top)))
-                self._append_token(seq, token)
+            taken = self._append_tokens(seq, outcome.tokens)
+            if seq.params.logprobs is not None and outcome.logprobs:
+                seq.logprobs.extend(TokenLogprob(token, lp.logprob, list(lp.top)) for token, lp
+                                    in zip(outcome.tokens[:taken], outcome.logprobs))
             touched.append(seq)
         self._measure(plan, result, outcomes)
         return touched
@@ -341,6 +338,37 @@ class Scheduler:
                         requested, deepest)
             return deepest
         return requested
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int]) -> int:
+        """A step's tokens for the sequence, up to the first that ends it (a stop token, the
+        length); returns how many it took. Their text is decoded once for all of them, unless
+        stop strings must be looked for after each token."""
+        if seq.finished:
+            return 0
+        p = seq.params
+        if p.stop:
+            taken = 0
+            for token in tokens:
+                if seq.finished:
+                    break
+                self._append_token(seq, token)
+                taken += 1
+            return taken
+        tokens = tokens[:max(self._tokens_left(seq), 1)]
+        stops = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids,
+                                                            *self.capacity.eos_token_ids}
+        end = next((i for i, t in enumerate(tokens) if t in stops), None) if stops else None
+        if end is not None:
+            seq.output_ids.extend(tokens[:end + 1])
+            seq.text += seq.detokenizer.step(seq.output_ids[:-1], final=True)
+            self._finish(seq, "stop")
+            return end + 1
+        seq.output_ids.extend(tokens)
+        at_length = self._tokens_left(seq) <= 0
+        seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
+        if at_length:
+            self._finish(seq, "length")
+        return len(tokens)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)

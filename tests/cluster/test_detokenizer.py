@@ -26,3 +26,37 @@ def test_final_flush_emits_an_unfinished_character(tmp_path):
     detok = IncrementalDetokenizer(tok)
     assert detok.step(ids[:1]) == ""
     assert detok.step(ids[:1], final=True) == "\ufffd"
+
+
+def test_a_steps_tokens_end_a_sequence_where_appending_one_at_a_time_would(tmp_path):
+    """The scheduler takes a step's tokens (accepted drafts and the sampled one) together and
+    decodes their text once: the tokens kept, the text and the finish reason equal those of
+    appending them one at a time, for stop tokens, EOS, the length and multi-byte text."""
+    from metrale.cluster.params import SamplingParams
+    from metrale.cluster.plan import WorkerCapacity
+    from metrale.cluster.scheduler import Scheduler, SchedulerConfig
+    tok = checkpoints.train_tokenizer(tmp_path)
+    text = tok.encode("日本語 🙂 naïve façade Grüße 👋 東京 and the rest").ids
+    eos = text[9]
+    capacity = WorkerCapacity(num_blocks=64, block_size=4, num_slots=4, max_model_len=256,
+                              vocab_size=tok.get_vocab_size(), eos_token_ids=(eos,),
+                              hybrid=False)
+    cases = [(dict(max_tokens=40, ignore_eos=True), (3, 1, 5, 2, 8, 4, 40)),
+             (dict(max_tokens=40), (4, 8, 40)),                            # EOS at index 9
+             (dict(max_tokens=40, ignore_eos=True, stop_token_ids=[text[6]]), (5, 5, 40)),
+             (dict(max_tokens=7, ignore_eos=True), (3, 8)),                # the length, mid-step
+             (dict(max_tokens=40, ignore_eos=True, stop=["Gr"]), (6, 8, 40))]
+    for params, chunks in cases:
+        together, alone = (Scheduler(SchedulerConfig(), capacity, tok) for _ in range(2))
+        for s in (together, alone):
+            s.add_request("r", [5, 6, 7], SamplingParams(**params))
+        a, b = together.waiting[0], alone.waiting[0]
+        start, taken = 0, []
+        for n in chunks:
+            taken.append(together._append_tokens(a, text[start:start + n]))
+            for token in text[start:start + n]:
+                if not b.finished:
+                    alone._append_token(b, token)
+            start += n
+        assert a.output_ids == b.output_ids and sum(taken) == len(a.output_ids)
+        assert a.text == b.text and a.finish_reason == b.finish_reason is not None, params
