@@ -123,14 +123,16 @@ class Proposer(Protocol):
     capture_layers: tuple[int, ...]   # target layers whose outputs `commit` needs
     max_batch: int                    # widest batch one propose forward takes
     fixed_drafts: int | None          # drafts per propose fixed by the drafter (DFlash: gamma - 1)
-    keeps_row_state: bool             # per-sequence state built from every row (no prefix sharing)
+    keeps_row_state: bool             # per-sequence state built from every row (no prefix
+                                      # sharing); without it, the worker never calls commit
 
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         """Up to `num_drafts` drafts per request (fewer when the drafter stops early)."""
 
     def commit(self, rows: list[CommittedRows]) -> None:
         """Newly committed rows: the drafter's per-sequence state must reflect them by the time
-        it proposes for their sequence (MTP and DFlash hold them until then: HeldRows)."""
+        it proposes for their sequence (MTP and DFlash hold them until then: HeldRows). Called
+        only for a proposer that keeps_row_state."""
 
 
 METHODS = ("none", "mtp", "dflash", "ngram", "self")

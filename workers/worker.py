@@ -210,6 +210,7 @@ class Worker:
         verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed, verified = [], [], ([], [])
+        rows_state = self.proposer is not None and self.proposer.keeps_row_state
         for w, rows in zip(work, layout.seqs):
             d = drafts.get(w.seq_id, [])
             outcome = verdicts.get(w.seq_id)
@@ -221,12 +222,12 @@ class Worker:
             if outcome:
                 outcomes.append(outcome)
                 self.stats.record(outcome.proposed, accepted)
-            if self.proposer:
+            if rows_state:
                 committed.append(self._committed_rows(w, rows, d[:accepted], outcome, hidden,
                                                       captured))
         if self.ssm is not None:
             self.ssm.commit(*verified)
-        if self.proposer:
+        if rows_state:
             self.proposer.commit(committed)
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
