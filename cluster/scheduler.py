@@ -340,25 +340,24 @@ class Scheduler:
         return requested
 
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> int:
-        """A step's tokens for the sequence, up to the first that ends it (a stop token, the
-        length); returns how many it took. Their text is decoded once for all of them, unless
-        stop strings must be looked for after each token."""
+        """A step's tokens for the sequence, up to the first that ends it (a stop token, a stop
+        string, the length); returns how many it took. Their text is decoded once for all of
+        them, unless stop strings must be looked for after each token."""
         if seq.finished:
             return 0
         p = seq.params
-        if p.stop:
+        if p.stop and len(tokens) > 1:
             taken = 0
             for token in tokens:
                 if seq.finished:
                     break
-                self._append_token(seq, token)
-                taken += 1
+                taken += self._append_tokens(seq, [token])
             return taken
         tokens = tokens[:max(self._tokens_left(seq), 1)]
         stops = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids,
                                                             *self.capacity.eos_token_ids}
         end = next((i for i, t in enumerate(tokens) if t in stops), None) if stops else None
-        if end is not None:
+        if end is not None:   # the stop token's text is not part of the completion
             seq.output_ids.extend(tokens[:end + 1])
             seq.text += seq.detokenizer.step(seq.output_ids[:-1], final=True)
             self._finish(seq, "stop")
@@ -366,25 +365,11 @@ class Scheduler:
         seq.output_ids.extend(tokens)
         at_length = self._tokens_left(seq) <= 0
         seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
-        if at_length:
-            self._finish(seq, "length")
-        return len(tokens)
-
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        seq.output_ids.append(token)
-        p = seq.params
-        stopped_by_token = ((not p.ignore_eos and token in self.capacity.eos_token_ids)
-                            or token in p.stop_token_ids)
-        if stopped_by_token:
-            seq.text += seq.detokenizer.step(seq.output_ids[:-1], final=True)
-            self._finish(seq, "stop")
-            return
-        at_length = self._tokens_left(seq) <= 0
-        seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
         if p.stop and self._cut_at_stop_string(seq):
             self._finish(seq, "stop")
         elif at_length:
             self._finish(seq, "length")
+        return len(tokens)
 
     def _cut_at_stop_string(self, seq: Sequence) -> bool:
         hits = [i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0]

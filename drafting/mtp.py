@@ -201,9 +201,9 @@ class MTPGraphs:
 
     @torch.inference_mode()
     def capture_all(self, max_drafts: int) -> None:
-        """Every bucket's chain for k = 1..max_drafts and catch-up for up to max_drafts + 1 rows
-        per sequence (a capture met while serving would stall its round: kernels compile for
-        the graph's shapes), over the spare block."""
+        """Every bucket's chain for k = 1..max_drafts and catch-up for every captured length
+        (a capture met while serving would stall its round: kernels compile for the graph's
+        shapes), over the spare block."""
         self.slots.zero_()
         self.last.zero_()
         self.tables.fill_(self.spare)
@@ -211,8 +211,7 @@ class MTPGraphs:
             for bucket in reversed(self.buckets):
                 if (bucket, k) not in self.graphs:
                     self.graphs[bucket, k] = self._capture(bucket, k)
-        most = bucket_for(CATCH_UP_LENGTHS, max_drafts + 1) or CATCH_UP_LENGTHS[-1]
-        for length in CATCH_UP_LENGTHS[:CATCH_UP_LENGTHS.index(most) + 1]:
+        for length in CATCH_UP_LENGTHS:
             for bucket in reversed(self.buckets):
                 if (bucket, length) not in self.catch_ups:
                     self.catch_ups[bucket, length] = self._capture_catch_up(bucket, length)

@@ -31,7 +31,8 @@ def test_final_flush_emits_an_unfinished_character(tmp_path):
 def test_a_steps_tokens_end_a_sequence_where_appending_one_at_a_time_would(tmp_path):
     """The scheduler takes a step's tokens (accepted drafts and the sampled one) together and
     decodes their text once: the tokens kept, the text and the finish reason equal those of
-    appending them one at a time, for stop tokens, EOS, the length and multi-byte text."""
+    appending them one at a time (as plain decoding does), for stop tokens, EOS, the length,
+    stop strings and multi-byte text."""
     from metrale.cluster.params import SamplingParams
     from metrale.cluster.plan import WorkerCapacity
     from metrale.cluster.scheduler import Scheduler, SchedulerConfig
@@ -55,8 +56,7 @@ def test_a_steps_tokens_end_a_sequence_where_appending_one_at_a_time_would(tmp_p
         for n in chunks:
             taken.append(together._append_tokens(a, text[start:start + n]))
             for token in text[start:start + n]:
-                if not b.finished:
-                    alone._append_token(b, token)
+                alone._append_tokens(b, [token])
             start += n
         assert a.output_ids == b.output_ids and sum(taken) == len(a.output_ids)
         assert a.text == b.text and a.finish_reason == b.finish_reason is not None, params

@@ -407,7 +407,7 @@ def test_mtp_catch_up_graphs_write_what_the_eager_catch_up_writes(checkpoint, mo
     spare = graphed.worker.kv.num_blocks - 1
     p.graphs = mtp.MTPGraphs(p, 4, spare)
     p.graphs.capture_all(3)
-    assert set(p.graphs.catch_ups) == {(b, n) for b in (1, 2, 4) for n in (1, 2, 4)}
+    assert set(p.graphs.catch_ups) == {(b, n) for b in (1, 2, 4) for n in mtp.CATCH_UP_LENGTHS}
     replayed, catch_up = [], p.graphs.catch_up
     p.graphs.catch_up = lambda rows: replayed.append(catch_up(rows)) or replayed[-1]
 
