@@ -435,13 +435,11 @@ def format_report(report: dict) -> str:
                     + (f"{a:>3.1f}" if (a := runs[b]['mean_acceptance_length']) else "  -")
                     if b in runs else " " * 17 for b in sizes))
             if "none" in eng:
-                for meth, r in _speedups(eng).items():
-                    lines.append(f"  {meth + ' / none':<12}" + "".join(
-                        f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes))
-                for meth, r in _speedups(eng, "full_batch_tokens_per_s").items():
-                    lines.append(f"  {meth + ' / none':<12}" + "".join(
-                        f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes)
-                        + "   (until the first sequence finished)")
+                for key, note in (("tokens_per_s", ""), ("full_batch_tokens_per_s",
+                                                         "   (until the first sequence finished)")):
+                    for meth, r in _speedups(eng, key).items():
+                        lines.append(f"  {meth + ' / none':<12}" + "".join(
+                            f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes) + note)
         for b, h in m.get("hf_generate", {}).items():
             lines.append(f"  transformers generate batch {b}: {h['tokens_per_s']:.1f} tokens/s "
                          f"({h['ms_per_step']:.1f} ms per step)")
