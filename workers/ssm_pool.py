@@ -87,7 +87,7 @@ class SSMSlotPool:
         """A copy of the first `layers` layers' state of `slots`, as slots 0..len(slots)-1, for a
         draft pass that must not touch the committed state."""
         view = SSMSlotPool.__new__(SSMSlotPool)
-        idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        idx = to_device(slots, self.conv.device)
         view.num_slots, view.capacity, view.offset = len(slots), [0] * len(slots), [0] * len(slots)
         view.offsets = torch.zeros(len(slots), dtype=torch.long, device=idx.device)
         view.conv, view.state = self.conv[:layers, idx].clone(), self.state[:layers, idx].clone()

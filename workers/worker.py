@@ -380,8 +380,8 @@ class Worker:
         outcome = SeqOutcome(w.seq_id, verdict.tokens, len(drafts), verdict.accepted)
         if spec.logprobs is not None:
             n = len(verdict.tokens)
-            chosen, top_ids, top_vals = logprobs_of(logits[:n], torch.tensor(verdict.tokens,
-                                                    device=logits.device), spec.logprobs)
+            chosen, top_ids, top_vals = logprobs_of(
+                logits[:n], to_device(verdict.tokens, logits.device), spec.logprobs)
             outcome.logprobs = [TokenLogprobs(float(chosen[i]), list(zip(top_ids[i].tolist(),
                                                                           top_vals[i].tolist())))
                                 for i in range(n)]

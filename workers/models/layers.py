@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.workers.batch import ForwardBatch
+from metrale.workers.batch import ForwardBatch, to_device
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels
 from metrale.workers.models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear
@@ -141,7 +141,7 @@ def _attend_padded(q, cache, layer, batch, scale):
     """All sequences have L rows (decode, verify): one attention call over padded caches."""
     n_seq, length = len(batch.seqs), batch.uniform_length
     keys, values = cache.read_padded(layer, batch.seqs)          # [B, S, kv_heads, head_dim]
-    ctx = torch.tensor([s.context_len for s in batch.seqs], device=q.device)
+    ctx = to_device([s.context_len for s in batch.seqs], q.device)
     q_pos = ctx[:, None] + torch.arange(length, device=q.device)[None, :]        # [B, L]
     k_pos = torch.arange(keys.shape[1], device=q.device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]                              # [B, L, S]
