@@ -247,22 +247,36 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
-        self._catch_up(self.held.take(r.slot for r in requests))
-        width = max(self.ctx_len[r.slot] for r in requests)
-        slots, pending, positions, lens = to_device(
-            [[r.slot for r in requests], [r.pending for r in requests],
-             [r.position for r in requests], [self.ctx_len[r.slot] for r in requests]],
-            self.ctx_k.device)
         if any(r.allowed for r in requests):   # grammars pick each draft under their mask
-            logits = self._block_logits(slots, pending, positions, lens, width)
+            width, inputs = self._inputs(requests)
+            logits = self._block_logits(*inputs, width)
             return [self._constrained(req, logits[i]) for i, req in enumerate(requests)]
-        if self.graphs is not None and len(requests) <= self.graphs.buckets[-1]:
-            tokens, logp = self.graphs.run(slots, pending, positions, lens)
-        else:
-            tokens, logp = self._greedy(slots, pending, positions, lens, width)
+        tokens, logp = self._best(requests)
         tokens, logp = tokens.tolist(), logp.tolist()   # the one host sync of a proposal
         return [Proposal(tokens[i][:r.num_drafts], logp[i][:r.num_drafts])
                 for i, r in enumerate(requests)]
+
+    @torch.inference_mode()
+    def propose_on_device(self, requests: list[ProposeRequest]) -> torch.Tensor:
+        """Greedy drafts [n, gamma - 1], left on the device."""
+        return self._best(requests)[0]
+
+    def _inputs(self, requests: list[ProposeRequest]):
+        """After the catch-up: the widest context, and each request's slot, pending token,
+        its position and context length on the device."""
+        self._catch_up(self.held.take(r.slot for r in requests))
+        width = max(self.ctx_len[r.slot] for r in requests)
+        return width, to_device([[r.slot for r in requests], [r.pending for r in requests],
+                                 [r.position for r in requests],
+                                 [self.ctx_len[r.slot] for r in requests]], self.ctx_k.device)
+
+    def _best(self, requests: list[ProposeRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each block position's best token and its log-probability, by the captured block
+        forward when one fits."""
+        width, inputs = self._inputs(requests)
+        if self.graphs is not None and len(requests) <= self.graphs.buckets[-1]:
+            return self.graphs.run(*inputs)
+        return self._greedy(*inputs, width)
 
     def _block_logits(self, slots, pending, positions, lens, width: int) -> torch.Tensor:
         """Logits [B, g-1, vocab] of the block after each pending token, over `width` context

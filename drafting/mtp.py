@@ -128,6 +128,15 @@ class MTPProposer:
         self._catch_up(self.held.take(r.slot for r in requests))
         return in_batches(requests, self.max_batch, self._propose_batch)
 
+    @torch.inference_mode()
+    def propose_on_device(self, requests: list[ProposeRequest]) -> torch.Tensor | None:
+        """Greedy drafts [n, k] by the captured chain, left on the device (None without
+        graphs or beyond one batch: then `propose` drafts)."""
+        if self.graphs is None or len(requests) > self.max_batch:
+            return None
+        self._catch_up(self.held.take(r.slot for r in requests))
+        return self.graphs.run(requests, max(r.num_drafts for r in requests))[0]
+
     def _propose_batch(self, requests: list[ProposeRequest]) -> list[Proposal]:
         if self.graphs is not None and not any(r.allowed for r in requests):
             k = max(r.num_drafts for r in requests)

@@ -129,6 +129,12 @@ class Proposer(Protocol):
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         """Up to `num_drafts` drafts per request (fewer when the drafter stops early)."""
 
+    def propose_on_device(self, requests: list[ProposeRequest]) -> torch.Tensor | None:
+        """Optional (MTP and DFlash have it). Greedy drafts [n, >= num_drafts] left on the
+        device, which the worker writes into the verify's inputs there and reads with the
+        verdicts; None when the proposer cannot here (the worker then calls propose). The
+        requests carry no grammar."""
+
     def commit(self, rows: list[CommittedRows]) -> None:
         """Newly committed rows: the drafter's per-sequence state must reflect them by the time
         it proposes for their sequence (MTP and DFlash hold them until then: HeldRows). Called

@@ -8,7 +8,8 @@ policy (then the rounds' ks are printed too), twice (the first run compiles and 
 the steps' total and median milliseconds, the slowest four, the worker's phases (propose, target
 forward, verdicts, SSM commit, drafter commit, and inside them MTP's and DFlash's catch-up and
 draft graph; each timed between device syncs, so their sum is above an unprofiled step's), and
-how many forwards could not replay a CUDA graph.
+how many forwards could not replay a CUDA graph, and per tenth of the steps the sequences running,
+tokens emitted and milliseconds per step (where a batch's tail goes).
 """
 
 from __future__ import annotations
@@ -73,13 +74,16 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
             llm.step()
         phases.clear()
         eager.clear()
-        steps, ks = [], []
+        seqs = [s for i in ids for s in sched.by_request[i]]
+        steps, ks, trace = [], [], []      # trace: (sequences running, tokens emitted) per step
         while sched.has_work:
+            running, before = len(sched.running), sum(len(s.output_ids) for s in seqs)
             start = time.perf_counter()
             llm.step()
             sync()
             steps.append((time.perf_counter() - start) * 1e3)
             ks.append(str(sched.drafts.last_k) if adaptive else "")
+            trace.append((running, sum(len(s.output_ids) for s in seqs) - before))
         for i in ids:
             sched.pop_finished(i)
         print(f"{method}:{drafts}:{batch} run {run}: {len(steps)} steps, {sum(steps):.0f} ms, "
@@ -87,6 +91,13 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
         for name, ms in phases.items():
             print(f"   {name:15s} {sum(ms):7.1f} ms in {len(ms)}, median {statistics.median(ms):.3f}, "
                   f"max {max(ms):.1f}")
+        print("   by tenths of the run (steps: sequences running, tokens a step, ms a step):")
+        for part in range(10):
+            lo, hi = len(steps) * part // 10, len(steps) * (part + 1) // 10
+            if hi > lo:
+                print(f"     {lo:4d}-{hi - 1:<4d} {statistics.mean(r for r, _ in trace[lo:hi]):5.1f} "
+                      f"{statistics.mean(t for _, t in trace[lo:hi]):6.1f} "
+                      f"{statistics.mean(steps[lo:hi]):6.2f}")
         print(f"   forwards without a graph: {len(eager)} (batch sizes {eager[:8]})")
         if adaptive:
             print(f"   ks {''.join(ks)}\n   policy {sched.drafts.as_dict()}")

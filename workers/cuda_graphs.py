@@ -95,8 +95,10 @@ class GraphRunner:
                 and layout.tables.shape[1] <= self.width)
 
     @torch.inference_mode()
-    def run(self, layout: RowsLayout) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """Hidden rows, captured layers and float32 logits of every row of an eligible step."""
+    def run(self, layout: RowsLayout, patch=None) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                          torch.Tensor]:
+        """Hidden rows, captured layers and float32 logits of every row of an eligible step;
+        `patch(ids)` edits the input ids on the device (drafts still there) before the replay."""
         n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
         if self.ssm is not None:
             self.ssm.check_verify(layout.seqs)
@@ -106,6 +108,8 @@ class GraphRunner:
             self.graphs[key] = self._capture(bucket, length, verify)
         graph, hidden, captured, logits = self.graphs[key]
         self._fill(layout, bucket, length)
+        if patch is not None:
+            patch(self.inputs[0][:n * length])
         graph.replay()
         rows = n * length
         return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]

@@ -75,13 +75,13 @@ class SSMSlotPool:
 
     def commit(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify: each slot's state is its entry `accepted` (the drafts it accepted),
-        in one copy per tensor for all the slots."""
+        gathered and written with one kernel each per tensor for all the slots."""
         if not slots:
             return
-        index = to_device([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
-                          self.conv.device)
-        self.conv[:, index[0]] = self.verify_conv[:, index[1]]
-        self.state[:, index[0]] = self.verify_state[:, index[1]]
+        dst, src = to_device([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
+                             self.conv.device)
+        self.conv.index_copy_(1, dst, self.verify_conv.index_select(1, src))
+        self.state.index_copy_(1, dst, self.verify_state.index_select(1, src))
 
     def scratch(self, slots: list[int], layers: int) -> "SSMSlotPool":
         """A copy of the first `layers` layers' state of `slots`, as slots 0..len(slots)-1, for a

@@ -31,6 +31,38 @@ from metrale.workers.ssm_pool import SSMSlotPool, verify_capacities
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class DeviceDrafts:
+    """A proposer's greedy drafts left on the device: row i of `tokens` [n, >= k] holds the
+    drafts of works[i], which takes its first num_drafts. One scatter writes them into the step's
+    input ids on the device, and the host reads them with the round's argmaxes, so proposing
+    costs the host no wait for the drafter."""
+    tokens: torch.Tensor
+    works: list[SeqWork]
+
+    def patch(self, work: list[SeqWork], layout: RowsLayout):
+        """A function that writes the drafts into a step's input ids once they are on the
+        device: each sequence's rows after its pending token."""
+        start = {w.seq_id: s.start + len(w.tokens) for w, s in zip(work, layout.seqs)}
+        width = self.tokens.shape[1]
+        index = to_device([[start[w.seq_id] + j for w in self.works for j in range(w.num_drafts)],
+                           [i * width + j for i, w in enumerate(self.works)
+                            for j in range(w.num_drafts)]], self.tokens.device)
+        flat = self.tokens.reshape(-1)
+        return lambda ids: ids.index_copy_(0, index[0], flat.index_select(0, index[1]))
+
+    def read_into(self, drafts: dict[int, list[int]], best: torch.Tensor | None) -> list | None:
+        """Reads `best` and the drafts with one host sync; the drafts replace their placeholders
+        in `drafts`, `best` comes back as a list."""
+        n = 0 if best is None else best.numel()
+        flat = self.tokens.reshape(-1)
+        values = (flat if best is None else torch.cat([best.reshape(-1), flat])).tolist()
+        width = self.tokens.shape[1]
+        for i, w in enumerate(self.works):
+            drafts[w.seq_id] = values[n + i * width:n + i * width + w.num_drafts]
+        return None if best is None else values[:n]
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str
@@ -198,7 +230,7 @@ class Worker:
         self._track_history(work)
         # Whether there are drafts or verdicts at all follows from the plan alone, so every rank
         # takes rank 0's, or none has any.
-        drafts = self._propose(work)
+        drafts, on_device = self._propose(work)
         drafts = self.tp.agree(drafts) if drafts else drafts
         proposed = time.perf_counter()
         chunks = [self._rows(w, drafts) for w in work]
@@ -206,8 +238,9 @@ class Worker:
         layout = RowsLayout.of(
             [(c, w.context_len, w.block_table, w.slot, w.seq_id in verifying and self.ssm is not None)
              for w, c in zip(work, chunks)], self.config.block_size)
-        hidden, captured, logits = self._forward(layout)
-        verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits)
+        patch = on_device.patch(work, layout) if on_device else None
+        hidden, captured, logits = self._forward(layout, patch)
+        verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits, on_device)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed, verified = [], [], ([], [])
         rows_state = self.proposer is not None and self.proposer.keeps_row_state
@@ -297,11 +330,13 @@ class Worker:
     def _generated(self, w: SeqWork) -> list[int]:
         return self.history[w.slot][self.prompt_len[w.slot]:]
 
-    def _propose(self, work: list[SeqWork]) -> dict[int, list[int]]:
-        """Drafts per sequence id, for the sequences the plan asks to speculate."""
+    def _propose(self, work: list[SeqWork]) -> tuple[dict[int, list[int]], "DeviceDrafts | None"]:
+        """Drafts per sequence id, for the sequences the plan asks to speculate. When the
+        proposer drafts greedily on the device, they stay there (DeviceDrafts) and the dict
+        holds placeholders of their lengths until the round's verdicts read them."""
         spec = [w for w in work if w.num_drafts > 0 and self.proposer is not None]
         if not spec:
-            return {}
+            return {}, None
         requests = []
         for w in spec:
             allowed, constraint = None, self._constraint(w)
@@ -310,8 +345,14 @@ class Worker:
                 allowed = lambda drafts, g=generated, c=constraint: c.allowed(g + drafts)  # noqa: E731
             requests.append(ProposeRequest(w.slot, w.context_len, w.tokens[-1], w.num_drafts,
                                            w.block_table, self.history[w.slot], allowed))
+        on_device = getattr(self.proposer, "propose_on_device", None)   # MTP's and DFlash's
+        if on_device and self.tp.size == 1 and not any(r.allowed for r in requests):
+            tokens = on_device(requests)
+            if tokens is not None:
+                return {w.seq_id: [w.tokens[-1]] * w.num_drafts for w in spec}, \
+                    DeviceDrafts(tokens, spec)
         proposals = self.proposer.propose(requests)
-        return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}
+        return {w.seq_id: p.tokens[:w.num_drafts] for w, p in zip(spec, proposals)}, None
 
     def _rows(self, w: SeqWork, drafts: dict[int, list[int]]) -> list[int]:
         """The chunk's tokens, its drafts, and with padding filler up to the planned depth."""
@@ -320,41 +361,50 @@ class Worker:
             d = d + [w.tokens[-1]] * (max(w.num_drafts, w.pad_to) - len(d))
         return w.tokens + d
 
-    def _forward(self, layout: RowsLayout):
+    def _forward(self, layout: RowsLayout, patch=None):
         """Hidden rows, captured layers, and the logits of every row when a CUDA graph ran the
-        step (None otherwise: they are computed for the rows read)."""
+        step (None otherwise: they are computed for the rows read). `patch(ids)` writes the
+        drafts still on the device into the step's input ids before it runs."""
         if self.graphs is not None and self.graphs.eligible(layout):
-            return self.graphs.run(layout)
+            return self.graphs.run(layout, patch)
         capture = self.proposer.capture_layers if self.proposer else ()
         batch = layout.to(self.device, self.backend)
+        if patch is not None:
+            patch(batch.input_ids)
         return *self.model(batch, self.kv, self.ssm, capture=capture), None
 
     def _verdicts(self, work: list[SeqWork], seqs: list[SeqRows], drafts: dict[int, list[int]],
-                  hidden: torch.Tensor, logits: torch.Tensor | None) -> dict[int, SeqOutcome]:
+                  hidden: torch.Tensor, logits: torch.Tensor | None,
+                  on_device: "DeviceDrafts | None" = None) -> dict[int, SeqOutcome]:
         """The outcome of every sampling sequence, by id. Logits are one lm_head GEMM over the
         rows read: a CUDA graph computed every row's; otherwise those of each sampling sequence's
-        pending token and drafts (filler rows after them are not read) are gathered first."""
-        sampled = []   # (work, drafts, first row of the pending token and the drafts)
+        pending token and drafts (filler rows after them are not read) are gathered first.
+        Drafts still on the device come to the host with the argmaxes, in the round's one sync,
+        and replace their placeholders in `drafts`."""
+        sampled = []   # (work, number of drafts, first row of the pending token and the drafts)
         for w, rows in zip(work, seqs):
             if w.sample:
-                d = drafts.get(w.seq_id, [])
-                sampled.append((w, d, rows.start + len(w.tokens) - 1))
+                sampled.append((w, len(drafts.get(w.seq_id, [])), rows.start + len(w.tokens) - 1))
         if not sampled:
             return {}
         if logits is None:
-            index = [i for _, d, first in sampled for i in range(first, first + len(d) + 1)]
+            index = [i for _, k, first in sampled for i in range(first, first + k + 1)]
             logits = self.model.logits(hidden[to_device(index, hidden.device)])
-            starts = itertools.accumulate((len(d) + 1 for _, d, _ in sampled), initial=0)
-            sampled = [(w, d, at) for (w, d, _), at in zip(sampled, starts)]
-        verdicts, greedy = {}, []
-        for w, d, first in sampled:
-            if w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None:
-                greedy.append((w, d, first))
+            starts = itertools.accumulate((k + 1 for _, k, _ in sampled), initial=0)
+            sampled = [(w, k, at) for (w, k, _), at in zip(sampled, starts)]
+        greedy = [w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None
+                  for w, _, _ in sampled]
+        best = logits.argmax(-1) if any(greedy) else None   # plain greedy: over every row
+        if on_device:   # its drafts come to the host with the argmaxes, in one sync
+            best = on_device.read_into(drafts, best)
+        elif best is not None:
+            best = best.tolist()
+        verdicts = {}
+        for (w, k, first), plain in zip(sampled, greedy):
+            d = drafts.get(w.seq_id, [])
+            if not plain:
+                verdicts[w.seq_id] = self._accept(w, d, logits[first:first + k + 1])
             else:
-                verdicts[w.seq_id] = self._accept(w, d, logits[first:first + len(d) + 1])
-        if greedy:   # plain greedy sequences: one argmax over every row, one host sync
-            best = logits.argmax(-1).tolist()
-            for w, d, first in greedy:
                 verdict = greedy_verdict(d, best[first:first + len(d) + 1])
                 verdicts[w.seq_id] = SeqOutcome(w.seq_id, verdict.tokens, len(d), verdict.accepted)
         return verdicts

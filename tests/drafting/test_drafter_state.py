@@ -55,6 +55,7 @@ def test_drafter_state_after_partial_acceptance_equals_fresh_prefill(
         return proposals
 
     llm.worker.proposer.propose = one_right_then_wrong
+    llm.worker.proposer.propose_on_device = lambda requests: None   # so that propose drafts
     rid = llm.add_request(prompt, GREEDY)
     seq = llm.scheduler.by_request[rid][0]
     while seq.spec.rounds < 4:

@@ -167,3 +167,41 @@ def test_verify_pool_capacities_from_a_budget():
     assert verify_capacities(3, 3, 1) == [0, 0, 0]
     pool = SSMSlotPool(1, 3, 4, 4, 2, 2, 2, __import__("torch").float32, "cpu", [3, 1, 0])
     assert pool.offset == [0, 4, 6] and pool.verify_state.shape[1] == 6
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["ragged", "padded"])
+def test_drafts_left_on_the_device_verify_as_drafts_read_first(checkpoint, dflash_drafter, pad):
+    """DFlash's drafts stay on the device until the verdicts (the worker writes them into the
+    verify's input ids there): greedy and seeded sampled outputs, and every round's acceptance,
+    equal those of the same engine reading its drafts on the host before the verify."""
+    name = "qwen3_5"
+    params = [GREEDY, SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True),
+              GREEDY, SamplingParams(max_tokens=40, temperature=1.0, top_k=20, seed=9,
+                                     ignore_eos=True)]
+    prompts = PROMPTS[:4]
+    runs = {}
+    for where in ("device", "host"):
+        llm = LLM(checkpoint(name), device="cpu", block_size=4, max_num_seqs=4,
+                  speculative_method="dflash", drafter=dflash_drafter(name), num_drafts=3,
+                  adaptive_drafts=False, pad_drafts=pad)
+        proposer, used = llm.worker.proposer, []
+        if where == "host":
+            proposer.propose_on_device = lambda requests: None
+        else:
+            on_device, host = proposer.propose_on_device, proposer.propose
+
+            def counted(requests):
+                used.append(len(requests))
+                return on_device(requests)
+            proposer.propose_on_device = counted
+            proposer.propose = lambda requests: pytest.fail("drafts were read on the host")
+        outs = llm.generate(prompts, params)
+        stats = llm.scheduler.stats
+        runs[where] = ([o.completions[0].token_ids for o in outs],
+                       stats.accepted_at, stats.proposed_at, used)
+        first_prompt = outs[0].prompt_token_ids
+    device, host = runs["device"], runs["host"]
+    assert device[0] == host[0]
+    assert device[0][0] == checkpoints.reference_greedy(checkpoint(name), first_prompt, 40)
+    assert device[1:3] == host[1:3] and sum(device[1]) > 0
+    assert device[3] and not host[3]
