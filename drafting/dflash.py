@@ -248,8 +248,8 @@ class DFlashProposer:
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         if any(r.allowed for r in requests):   # grammars pick each draft under their mask
-            width, inputs = self._inputs(requests)
-            logits = self._block_logits(*inputs, width)
+            width, rows = self._inputs(requests)
+            logits = self._block_logits(*to_device(rows, self.ctx_k.device), width)
             return [self._constrained(req, logits[i]) for i, req in enumerate(requests)]
         tokens, logp = self._best(requests)
         tokens, logp = tokens.tolist(), logp.tolist()   # the one host sync of a proposal
@@ -261,22 +261,21 @@ class DFlashProposer:
         """Greedy drafts [n, gamma - 1], left on the device."""
         return self._best(requests)[0]
 
-    def _inputs(self, requests: list[ProposeRequest]):
-        """After the catch-up: the widest context, and each request's slot, pending token,
-        its position and context length on the device."""
+    def _inputs(self, requests: list[ProposeRequest]) -> tuple[int, list[list[int]]]:
+        """After the catch-up: the widest context, and the requests' slots, pending tokens,
+        their positions and context lengths."""
         self._catch_up(self.held.take(r.slot for r in requests))
-        width = max(self.ctx_len[r.slot] for r in requests)
-        return width, to_device([[r.slot for r in requests], [r.pending for r in requests],
-                                 [r.position for r in requests],
-                                 [self.ctx_len[r.slot] for r in requests]], self.ctx_k.device)
+        lens = [self.ctx_len[r.slot] for r in requests]
+        return max(lens), [[r.slot for r in requests], [r.pending for r in requests],
+                           [r.position for r in requests], lens]
 
     def _best(self, requests: list[ProposeRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each block position's best token and its log-probability, by the captured block
         forward when one fits."""
-        width, inputs = self._inputs(requests)
+        width, rows = self._inputs(requests)
         if self.graphs is not None and len(requests) <= self.graphs.buckets[-1]:
-            return self.graphs.run(*inputs)
-        return self._greedy(*inputs, width)
+            return self.graphs.run(rows)
+        return self._greedy(*to_device(rows, self.ctx_k.device), width)
 
     def _block_logits(self, slots, pending, positions, lens, width: int) -> torch.Tensor:
         """Logits [B, g-1, vocab] of the block after each pending token, over `width` context
@@ -344,12 +343,13 @@ class DFlashGraphs:
             if rows not in self.catch_ups:
                 self.catch_ups[rows] = self._capture_catch_up(rows)
 
-    def run(self, slots, pending, positions, lens):
-        n = slots.shape[0]
+    def run(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts and log-probabilities [n, gamma - 1] after each pending token; `rows`: the n
+        requests' slots, pending tokens, positions and context lengths, sent in one copy."""
+        n = len(rows[0])
         bucket = bucket_for(self.buckets, n)
-        self.inputs[:, n:bucket] = 0          # padding rows draft from slot 0's context, unused
-        for row, values in zip(self.inputs, (slots, pending, positions, lens)):
-            row[:n].copy_(values)
+        pad = [0] * (bucket - n)   # padding rows draft from slot 0's context, unused
+        to_device([row + pad for row in rows], self.inputs.device, out=self.inputs[:, :bucket])
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         graph, tokens, logp = self.graphs[bucket]

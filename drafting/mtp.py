@@ -197,8 +197,9 @@ class MTPGraphs:
         cfg, device = proposer.target.config, proposer.stash.device
         width = -(-cfg.max_position_embeddings // proposer.block_size)
         n = self.buckets[-1]
-        self.slots = torch.zeros(n, dtype=torch.long, device=device)
-        self.last = torch.zeros(n, dtype=torch.long, device=device)   # stashed row's position
+        # each row's slot and its stashed row's position, sent together
+        self.chain_in = torch.zeros(2, n, dtype=torch.long, device=device)
+        self.slots, self.last = self.chain_in
         self.tables = torch.full((n, width), spare_block, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], tuple] = {}
         # catch-up inputs: each row's next token, then each sequence's start, rows and slot
@@ -230,11 +231,9 @@ class MTPGraphs:
         n, p = len(requests), self.p
         bucket = bucket_for(self.buckets, n)
         self._tables([r.block_table for r in requests], bucket)
-        rows = to_device([[r.slot for r in requests] + [0] * (bucket - n),
-                          [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)],
-                         self.slots.device)
-        self.slots[:bucket].copy_(rows[0])
-        self.last[:bucket].copy_(rows[1])
+        to_device([[r.slot for r in requests] + [0] * (bucket - n),
+                   [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)],
+                  self.slots.device, out=self.chain_in[:, :bucket])
         if (bucket, k) not in self.graphs:
             self.graphs[bucket, k] = self._capture(bucket, k)
         graph, tokens, logp = self.graphs[bucket, k]
@@ -280,11 +279,10 @@ class MTPGraphs:
         """`tables` into the first rows of the static tables, the rest and the padding
         sequences' pointing at the spare block."""
         width = max(len(t) for t in tables)
-        padded = to_device([list(t) + [self.spare] * (width - len(t)) for t in tables]
-                           + [[self.spare] * width] * (bucket - len(tables)),
-                           self.tables.device, torch.int32)
         self.tables[:bucket].fill_(self.spare)
-        self.tables[:bucket, :width].copy_(padded)
+        to_device([list(t) + [self.spare] * (width - len(t)) for t in tables]
+                  + [[self.spare] * width] * (bucket - len(tables)),
+                  self.tables.device, torch.int32, out=self.tables[:bucket, :width])
 
     def _capture(self, bucket: int, k: int):
         graph, out = capture(lambda: self._chain(bucket, k), self.pool)

@@ -24,16 +24,22 @@ class _Staging:
         self.next = 0
         self.lock = threading.Lock()   # in-process workers each step on their own thread
 
-    def send(self, array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def send(self, array: np.ndarray, dtype: torch.dtype, device: torch.device,
+             out: torch.Tensor | None) -> torch.Tensor:
         if array.nbytes > self.SLOT_BYTES:
-            return torch.from_numpy(array).pin_memory().to(device, non_blocking=True)
+            host = torch.from_numpy(array).pin_memory()
+            return out.copy_(host, non_blocking=True) if out is not None else \
+                host.to(device, non_blocking=True)
         with self.lock:
             i, self.next = self.next, (self.next + 1) % self.SLOTS
             self.left[i].synchronize()
             start = i * self.SLOT_BYTES
             host = self.memory[start:start + array.nbytes].view(dtype).view(array.shape)
             host.numpy()[...] = array
-            out = host.to(device, non_blocking=True)
+            if out is not None:
+                out.copy_(host, non_blocking=True)
+            else:
+                out = host.to(device, non_blocking=True)
             self.left[i].record(torch.cuda.current_stream(device))
         return out
 
@@ -42,18 +48,22 @@ _staging: dict[torch.device, _Staging] = {}   # per device: an event records on 
 _creating = threading.Lock()
 
 
-def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host values (lists or a numpy array) as a tensor on `device`. On CUDA they leave from
-    pinned memory without waiting: a copy from pageable memory first waits for every kernel
-    queued before it, and the host could no longer run ahead of the device."""
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Host values (lists or a numpy array) as a tensor on `device`, or written into `out`
+    (a tensor there of their shape, a view of a static buffer say: one op instead of a copy
+    and a copy into it). On CUDA they leave from pinned memory without waiting: a copy from
+    pageable memory first waits for every kernel queued before it, and the host could no
+    longer run ahead of the device."""
     if device.type != "cuda":
-        return torch.as_tensor(values, dtype=dtype).to(device)
+        values = torch.as_tensor(values, dtype=dtype)
+        return out.copy_(values) if out is not None else values.to(device)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _staging:
         with _creating:
             _staging.setdefault(device, _Staging())
-    return _staging[device].send(np.asarray(values, dtype=_NUMPY[dtype]), dtype, device)
+    return _staging[device].send(np.asarray(values, dtype=_NUMPY[dtype]), dtype, device, out)
 
 
 def uniform_length(seqs: list["SeqRows"]) -> int | None:

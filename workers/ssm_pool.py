@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from metrale.workers.batch import to_device
+from metrale.workers.models import kernels
 
 
 def verify_capacities(num_slots: int, max_drafts: int, budget_entries: int) -> list[int]:
@@ -75,13 +76,19 @@ class SSMSlotPool:
 
     def commit(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify: each slot's state is its entry `accepted` (the drafts it accepted),
-        gathered and written with one kernel each per tensor for all the slots."""
+        for all the slots in one kernel launch where the kernels run (on the host, each torch
+        op costs 20-30 us, and a round at small batch waits for the host), else in two ops per
+        tensor."""
         if not slots:
             return
-        dst, src = to_device([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
-                             self.conv.device)
-        self.conv.index_copy_(1, dst, self.verify_conv.index_select(1, src))
-        self.state.index_copy_(1, dst, self.verify_state.index_select(1, src))
+        index = to_device([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
+                          self.conv.device)
+        if kernels.runs_on(index.device):
+            kernels.commit_states(self.conv, self.state, self.verify_conv, self.verify_state,
+                                  index)
+            return
+        self.conv.index_copy_(1, index[0], self.verify_conv.index_select(1, index[1]))
+        self.state.index_copy_(1, index[0], self.verify_state.index_select(1, index[1]))
 
     def scratch(self, slots: list[int], layers: int) -> "SSMSlotPool":
         """A copy of the first `layers` layers' state of `slots`, as slots 0..len(slots)-1, for a

@@ -43,6 +43,12 @@ class DeviceDrafts:
     def patch(self, work: list[SeqWork], layout: RowsLayout):
         """A function that writes the drafts into a step's input ids once they are on the
         device: each sequence's rows after its pending token."""
+        k = self.works[0].num_drafts
+        if (len(self.works) == len(work) and layout.uniform_length == k + 1
+                and all(w.num_drafts == k and len(w.tokens) == 1 for w in self.works)):
+            # each sequence's rows are its pending token and its k drafts: one strided copy
+            n = len(work)
+            return lambda ids: ids.view(n, k + 1)[:, 1:].copy_(self.tokens[:, :k])
         start = {w.seq_id: s.start + len(w.tokens) for w, s in zip(work, layout.seqs)}
         width = self.tokens.shape[1]
         index = to_device([[start[w.seq_id] + j for w in self.works for j in range(w.num_drafts)],

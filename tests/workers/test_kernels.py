@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from metrale.workers.models import kernels
 from metrale.workers.models.gated_deltanet import causal_conv1d_update, gated_delta_rule, gates
+from metrale.workers.ssm_pool import SSMSlotPool
 
 if not kernels.available():
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -164,6 +165,26 @@ def test_write_kv_matches_index_put(dtype):
     ref_v.view(-1, kv_heads, dim)[slots] = v
     kernels.write_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ssm_commit_kernel_takes_each_slots_accepted_entry(dtype):
+    """The pool's commit in one launch: every layer's conv window and state of the entry each
+    slot accepted (a state of several chunks), and the other slots untouched."""
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(0)
+    pool = SSMSlotPool(3, 5, 40, 4, 4, 32, 24, dtype, torch.device(DEVICE), [3, 0, 2, 3, 1])
+    for t in (pool.conv, pool.state, pool.verify_conv, pool.verify_state):
+        t.copy_(torch.randn(t.shape, generator=g, device=DEVICE))
+    conv, state = pool.conv.clone(), pool.state.clone()
+    slots, accepted = [3, 0, 4], [2, 3, 0]
+    for slot, a in zip(slots, accepted):
+        conv[:, slot] = pool.verify_conv[:, pool.offset[slot] + a]
+        state[:, slot] = pool.verify_state[:, pool.offset[slot] + a]
+    assert kernels.runs_on(pool.conv.device) and pool.state[0, 0].numel() > 1024
+    pool.commit(slots, accepted)
+    assert torch.equal(pool.conv, conv) and torch.equal(pool.state, state)
 
 
 def verify_offsets(slot_ids, n_slots, length, first):

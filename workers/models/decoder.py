@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +16,9 @@ from metrale.workers.models.layers import MLP, RMSNorm, Rotary, paged_attention
 from metrale.workers.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead,
                                              RowParallelLinear, VocabParallelEmbedding)
 from metrale.workers.parallel import TensorParallel
-from metrale.workers.ssm_pool import SSMSlotPool
+
+if TYPE_CHECKING:   # ssm_pool imports metrale.workers.models, whose package imports this module
+    from metrale.workers.ssm_pool import SSMSlotPool
 
 
 class Attention(nn.Module):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +15,9 @@ from metrale.workers.models.layers import GatedRMSNorm
 from metrale.workers.models.parallel import (SINGLE, ColumnParallelLinear, RowParallelLinear,
                                              Shard)
 from metrale.workers.parallel import TensorParallel
-from metrale.workers.ssm_pool import SSMSlotPool
+
+if TYPE_CHECKING:   # ssm_pool imports metrale.workers.models, whose package imports this module
+    from metrale.workers.ssm_pool import SSMSlotPool
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

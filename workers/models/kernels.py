@@ -155,6 +155,22 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr, pairs,
+                              slots, entries, conv_size, state_size, BLOCK: tl.constexpr):
+        """One program: chunk c of one layer's conv window and recurrent state, copied from
+        verify entry index[1, p] to slot index[0, p] (each a contiguous run of elements)."""
+        p, layer, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        to_slot = (layer * slots + tl.load(index_ptr + p)).to(tl.int64)
+        from_entry = (layer * entries + tl.load(index_ptr + pairs + p)).to(tl.int64)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < conv_size
+        tl.store(conv_ptr + to_slot * conv_size + offs,
+                 tl.load(vconv_ptr + from_entry * conv_size + offs, mask=ok), mask=ok)
+        ok = offs < state_size
+        tl.store(state_ptr + to_slot * state_size + offs,
+                 tl.load(vstate_ptr + from_entry * state_size + offs, mask=ok), mask=ok)
+
+    @triton.jit
     def _gates(a_ptr, b_ptr, decay, dt_bias):
         """One row's gates of one value head, as the torch reference computes them: the decay
         g = -exp(A_log) * softplus(a + dt_bias) in float32 (decay holds -exp(A_log)), and the
@@ -416,6 +432,20 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads,
         H_PAD=_pow2(kv_heads), HEAD_DIM=dim, D_PAD=_pow2(dim), PAGE=k_cache.shape[1],
         num_warps=4)
+
+
+def commit_states(conv: torch.Tensor, state: torch.Tensor, verify_conv: torch.Tensor,
+                  verify_state: torch.Tensor, index: torch.Tensor) -> None:
+    """For each column p of index [2, pairs]: every layer's conv window and recurrent state of
+    verify entry index[1, p] into slot index[0, p] (the pools are [layers, slots or entries,
+    ...], contiguous), both tensors in one launch."""
+    assert all(t.is_contiguous() for t in (conv, state, verify_conv, verify_state, index))
+    pairs, (layers, slots), block = index.shape[1], conv.shape[:2], 1024
+    conv_size, state_size = conv[0, 0].numel(), state[0, 0].numel()
+    grid = (pairs, layers, triton.cdiv(max(conv_size, state_size), block))
+    _commit_states_kernel[grid](conv, state, verify_conv, verify_state, index, pairs, slots,
+                                verify_conv.shape[1], conv_size, state_size, BLOCK=block,
+                                num_warps=4)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
