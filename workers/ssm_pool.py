@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from metrale.workers.batch import to_device
+from metrale.workers.cuda_graphs import bucket_for, capture
 from metrale.workers.models import kernels
 
 
@@ -42,6 +43,8 @@ class SSMSlotPool:
         self.verify_conv = torch.zeros(num_layers, total, *conv_shape, dtype=dtype, device=device)
         self.verify_state = torch.zeros(num_layers, total, *state_shape, dtype=torch.float32,
                                         device=device)
+        self.commits: dict[int, torch.cuda.CUDAGraph] = {}   # captured commits per bucket
+        self.commit_buckets: list[int] = []
 
     def check_verify(self, seqs) -> None:
         """Refuses a verify deeper than its slot's pool (host values only: graph-safe)."""
@@ -74,15 +77,34 @@ class SSMSlotPool:
         self.conv[:, idx] = 0
         self.state[:, idx] = 0
 
+    def capture_commits(self, buckets: list[int], spare_slot: int) -> None:
+        """Commits by replay, for up to buckets[-1] slots: the commit kernel captured per bucket
+        of slots over a static index, whose padding pairs copy `spare_slot`'s first entry into
+        it (the CUDA graphs' padding slot, whose state no sequence reads). A Triton launch costs
+        the host about 100 us on the GPU machine; a copy of the index and a replay, a third."""
+        self.commit_buckets, self.commit_pad = buckets, (spare_slot, self.offset[spare_slot])
+        self.commit_index = torch.tensor([[self.commit_pad[0]], [self.commit_pad[1]]],
+                                         device=self.conv.device).repeat(1, buckets[-1])
+        for bucket in buckets:
+            self.commits[bucket] = capture(lambda b=bucket: kernels.commit_states(
+                self.conv, self.state, self.verify_conv, self.verify_state,
+                self.commit_index[:, :b]), None)[0]
+
     def commit(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify: each slot's state is its entry `accepted` (the drafts it accepted),
-        for all the slots in one kernel launch where the kernels run (on the host, each torch
-        op costs 20-30 us, and a round at small batch waits for the host), else in two ops per
-        tensor."""
+        for all the slots by one replay or one kernel launch where the kernels run, else in two
+        ops per tensor."""
         if not slots:
             return
-        index = to_device([slots, [self.offset[s] + a for s, a in zip(slots, accepted)]],
-                          self.conv.device)
+        entries = [self.offset[s] + a for s, a in zip(slots, accepted)]
+        bucket = bucket_for(self.commit_buckets, len(slots))
+        if bucket is not None:
+            pad = bucket - len(slots)
+            to_device([slots + [self.commit_pad[0]] * pad, entries + [self.commit_pad[1]] * pad],
+                      self.conv.device, out=self.commit_index[:, :bucket])
+            self.commits[bucket].replay()
+            return
+        index = to_device([slots, entries], self.conv.device)
         if kernels.runs_on(index.device):
             kernels.commit_states(self.conv, self.state, self.verify_conv, self.verify_state,
                                   index)

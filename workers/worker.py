@@ -177,6 +177,8 @@ class Worker:
             self.graphs.capture_all(lengths, verify=cfg.is_hybrid)
             if p is not None and getattr(p, "graphs", None) is not None:   # MTP, DFlash
                 p.graphs.capture_all(config.max_drafts)
+        if self.graphs is not None and p is not None and self.ssm is not None:
+            self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots)
             log.info("captured %d CUDA graphs in %.1fs", len(self.graphs.graphs),
                      time.perf_counter() - start)
         log.info("worker on %s: %s", self.device, self.memory_report())

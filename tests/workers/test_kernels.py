@@ -168,18 +168,24 @@ def test_write_kv_matches_index_put(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ssm_commit_kernel_takes_each_slots_accepted_entry(dtype):
-    """The pool's commit in one launch: every layer's conv window and state of the entry each
-    slot accepted (a state of several chunks), and the other slots untouched."""
-    if DEVICE == "cpu" and dtype == torch.bfloat16:
-        pytest.skip("the Triton interpreter mishandles bfloat16")
+@pytest.mark.parametrize("captured", [False, True])
+def test_ssm_commit_kernel_takes_each_slots_accepted_entry(dtype, captured):
+    """The pool's commit in one launch, or by replay of that launch captured for a bucket of
+    slots: every layer's conv window and state of the entry each slot accepted (a state of
+    several chunks); the other slots untouched but the spare one, which the captured commit's
+    padding pair writes from its first entry."""
+    if DEVICE == "cpu" and (dtype == torch.bfloat16 or captured):
+        pytest.skip("the Triton interpreter mishandles bfloat16 and has no CUDA graphs")
     g = torch.Generator(DEVICE).manual_seed(0)
     pool = SSMSlotPool(3, 5, 40, 4, 4, 32, 24, dtype, torch.device(DEVICE), [3, 0, 2, 3, 1])
+    spare = 4
+    if captured:
+        pool.capture_commits([1, 2, 4], spare)
     for t in (pool.conv, pool.state, pool.verify_conv, pool.verify_state):
         t.copy_(torch.randn(t.shape, generator=g, device=DEVICE))
     conv, state = pool.conv.clone(), pool.state.clone()
-    slots, accepted = [3, 0, 4], [2, 3, 0]
-    for slot, a in zip(slots, accepted):
+    slots, accepted = ([3, 0, 2], [2, 3, 1]) if captured else ([3, 0, 4], [2, 3, 0])
+    for slot, a in zip(slots + [spare] * captured, accepted + [0] * captured):
         conv[:, slot] = pool.verify_conv[:, pool.offset[slot] + a]
         state[:, slot] = pool.verify_state[:, pool.offset[slot] + a]
     assert kernels.runs_on(pool.conv.device) and pool.state[0, 0].numel() > 1024

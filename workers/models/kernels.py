@@ -155,13 +155,14 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr, pairs,
-                              slots, entries, conv_size, state_size, BLOCK: tl.constexpr):
+    def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr,
+                              index_stride, slots, entries, conv_size, state_size,
+                              BLOCK: tl.constexpr):
         """One program: chunk c of one layer's conv window and recurrent state, copied from
         verify entry index[1, p] to slot index[0, p] (each a contiguous run of elements)."""
         p, layer, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         to_slot = (layer * slots + tl.load(index_ptr + p)).to(tl.int64)
-        from_entry = (layer * entries + tl.load(index_ptr + pairs + p)).to(tl.int64)
+        from_entry = (layer * entries + tl.load(index_ptr + index_stride + p)).to(tl.int64)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         ok = offs < conv_size
         tl.store(conv_ptr + to_slot * conv_size + offs,
@@ -438,13 +439,15 @@ def commit_states(conv: torch.Tensor, state: torch.Tensor, verify_conv: torch.Te
                   verify_state: torch.Tensor, index: torch.Tensor) -> None:
     """For each column p of index [2, pairs]: every layer's conv window and recurrent state of
     verify entry index[1, p] into slot index[0, p] (the pools are [layers, slots or entries,
-    ...], contiguous), both tensors in one launch."""
-    assert all(t.is_contiguous() for t in (conv, state, verify_conv, verify_state, index))
+    ...], contiguous), both tensors in one launch. index's rows may be strided (a view of a
+    wider buffer, as a captured commit reads)."""
+    assert all(t.is_contiguous() for t in (conv, state, verify_conv, verify_state))
+    assert index.stride(1) == 1
     pairs, (layers, slots), block = index.shape[1], conv.shape[:2], 1024
     conv_size, state_size = conv[0, 0].numel(), state[0, 0].numel()
     grid = (pairs, layers, triton.cdiv(max(conv_size, state_size), block))
-    _commit_states_kernel[grid](conv, state, verify_conv, verify_state, index, pairs, slots,
-                                verify_conv.shape[1], conv_size, state_size, BLOCK=block,
+    _commit_states_kernel[grid](conv, state, verify_conv, verify_state, index, index.stride(0),
+                                slots, verify_conv.shape[1], conv_size, state_size, BLOCK=block,
                                 num_warps=4)
 
 
