@@ -16,11 +16,10 @@ import time
 
 import torch
 
-from metrale.cluster.params import SamplingParams
-from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
-from metrale.deploy.gpubench import bundled_prompts, kv_bytes_needed
-from metrale.deploy.llm import LLM
+from metrale.deploy.bundled import BUNDLED_MODEL
+from metrale.deploy.gpubench import bundled_prompts
 from metrale.workers.batch import RowsLayout
+from stepprof import admit, engine   # this script's folder is on the path
 
 
 def wrap(obj, name: str, phases: dict, label: str) -> None:
@@ -36,11 +35,7 @@ def wrap(obj, name: str, phases: dict, label: str) -> None:
 
 def profile(spec: str, prompts) -> None:
     method, drafts, batch = spec.split(":")
-    batch, adaptive = int(batch), drafts.startswith("a")
-    llm = LLM(str(BUNDLED_MODEL), max_num_seqs=64, speculative_method=method,
-              kv_cache_bytes=kv_bytes_needed(str(BUNDLED_MODEL), "auto", 64, 400),
-              num_drafts=int(drafts.lstrip("a")) or None, adaptive_drafts=adaptive,
-              drafter=str(BUNDLED_DFLASH) if method == "dflash" else None)
+    llm = engine(method, drafts)
     w, s, ph = llm.worker, llm.scheduler, {}
     for name in ("_fill_ahead", "_track_history", "_propose", "_forward", "_verdicts"):
         wrap(w, name, ph, "worker." + name)
@@ -54,10 +49,7 @@ def profile(spec: str, prompts) -> None:
     wrap(s, "_measure", ph, "  scheduler._measure")
     wrap(RowsLayout, "of", ph, "RowsLayout.of")
     for _ in range(3):
-        ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
-               for p in prompts[:batch]]
-        while s.waiting or any(not q.output_ids for q in s.running):
-            llm.step()
+        ids = admit(llm, prompts[:int(batch)])
         ph.clear()
         steps = 0
         if torch.cuda.is_available():

@@ -42,19 +42,34 @@ def timed(phases: dict, name: str, fn):
     return run
 
 
+def engine(method: str, drafts: str) -> LLM:
+    """The bundled model's engine for METHOD with DRAFTS (`K`, or `aK` for the policy's choice)."""
+    return LLM(str(BUNDLED_MODEL), max_num_seqs=64, speculative_method=method,
+               kv_cache_bytes=kv_bytes_needed(str(BUNDLED_MODEL), "auto", 64, 400),
+               num_drafts=int(drafts.lstrip("a")) or None, adaptive_drafts=drafts.startswith("a"),
+               drafter=str(BUNDLED_DFLASH) if method == "dflash" else None)
+
+
+def admit(llm: LLM, prompts) -> list[str]:
+    """Queues the prompts for 128 greedy tokens each and steps until every one has its first."""
+    ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+           for p in prompts]
+    sched = llm.scheduler
+    while sched.waiting or any(not s.output_ids for s in sched.running):
+        llm.step()
+    return ids
+
+
 def profile(method: str, drafts: str, batch: int, prompts) -> None:
     adaptive = drafts.startswith("a")
-    llm = LLM(str(BUNDLED_MODEL), max_num_seqs=64, speculative_method=method,
-              kv_cache_bytes=kv_bytes_needed(str(BUNDLED_MODEL), "auto", 64, 400),
-              num_drafts=int(drafts.lstrip("a")) or None, adaptive_drafts=adaptive,
-              drafter=str(BUNDLED_DFLASH) if method == "dflash" else None)
+    llm = engine(method, drafts)
     w, phases, eager = llm.worker, {}, []
     forward = w._forward
 
-    def watched(batch_):
+    def watched(batch_, patch=None):
         if w.graphs is not None and not w.graphs.eligible(batch_):
             eager.append(len(batch_.seqs))
-        return forward(batch_)
+        return forward(batch_, patch)
     w._forward = timed(phases, "forward", watched)
     w._propose = timed(phases, "propose", w._propose)
     w._verdicts = timed(phases, "verdicts", w._verdicts)
@@ -68,10 +83,7 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
         w.ssm.commit = timed(phases, "ssm commit", w.ssm.commit)
     sched = llm.scheduler
     for run in range(2):
-        ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
-               for p in prompts[:batch]]
-        while sched.waiting or any(not s.output_ids for s in sched.running):
-            llm.step()
+        ids = admit(llm, prompts[:batch])
         phases.clear()
         eager.clear()
         seqs = [s for i in ids for s in sched.by_request[i]]
