@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class DeviceDrafts:
     """A proposer's greedy drafts left on the device: row i of `tokens` [n, >= k] holds the
-    drafts of works[i], which takes its first num_drafts. One scatter writes them into the step's
+    drafts of works[i], which takes its first num_drafts. One copy writes them into the step's
     input ids on the device, and the host reads them with the round's argmaxes, so proposing
     costs the host no wait for the drafter."""
     tokens: torch.Tensor
@@ -177,10 +177,10 @@ class Worker:
             self.graphs.capture_all(lengths, verify=cfg.is_hybrid)
             if p is not None and getattr(p, "graphs", None) is not None:   # MTP, DFlash
                 p.graphs.capture_all(config.max_drafts)
-        if self.graphs is not None and p is not None and self.ssm is not None:
-            self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots)
             log.info("captured %d CUDA graphs in %.1fs", len(self.graphs.graphs),
                      time.perf_counter() - start)
+        if self.graphs is not None and p is not None and self.ssm is not None:
+            self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots)   # tiny: always now
         log.info("worker on %s: %s", self.device, self.memory_report())
 
     def _make_kv_cache(self) -> PagedKVCache:
@@ -213,7 +213,8 @@ class Worker:
         slots = c.max_num_seqs
         if self.use_graphs:   # the padding sequences' slot, as deep as any verify
             capacities, slots = (capacities or [0] * slots) + [c.max_drafts], slots + 1
-        return SSMSlotPool(dims[0], slots, *dims[1:], cfg.dtype, self.device, capacities)
+        return SSMSlotPool(dims[0], slots, *dims[1:], cfg.dtype, self.device, capacities,
+                           use_kernels=self.backend == "triton")
 
     def memory_report(self) -> dict:
         report = {"kv_cache_bytes": self.kv.k.nbytes * 2, "kv_blocks": self.kv.num_blocks,

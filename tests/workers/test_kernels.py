@@ -177,7 +177,8 @@ def test_ssm_commit_kernel_takes_each_slots_accepted_entry(dtype, captured):
     if DEVICE == "cpu" and (dtype == torch.bfloat16 or captured):
         pytest.skip("the Triton interpreter mishandles bfloat16 and has no CUDA graphs")
     g = torch.Generator(DEVICE).manual_seed(0)
-    pool = SSMSlotPool(3, 5, 40, 4, 4, 32, 24, dtype, torch.device(DEVICE), [3, 0, 2, 3, 1])
+    pool = SSMSlotPool(3, 5, 40, 4, 4, 32, 24, dtype, torch.device(DEVICE), [3, 0, 2, 3, 1],
+                       use_kernels=True)
     spare = 4
     if captured:
         pool.capture_commits([1, 2, 4], spare)
@@ -188,7 +189,7 @@ def test_ssm_commit_kernel_takes_each_slots_accepted_entry(dtype, captured):
     for slot, a in zip(slots + [spare] * captured, accepted + [0] * captured):
         conv[:, slot] = pool.verify_conv[:, pool.offset[slot] + a]
         state[:, slot] = pool.verify_state[:, pool.offset[slot] + a]
-    assert kernels.runs_on(pool.conv.device) and pool.state[0, 0].numel() > 1024
+    assert pool.state[0, 0].numel() > 1024   # several chunks
     pool.commit(slots, accepted)
     assert torch.equal(pool.conv, conv) and torch.equal(pool.state, state)
 
