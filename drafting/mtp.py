@@ -193,6 +193,7 @@ class MTPGraphs:
 
     def __init__(self, proposer: MTPProposer, max_batch: int, spare_block: int):
         self.p, self.spare = proposer, spare_block
+        self.spare_row = proposer.stash.shape[0] - 1   # the padding sequences' stash row
         self.buckets = buckets_up_to(max_batch)
         cfg, device = proposer.target.config, proposer.stash.device
         width = -(-cfg.max_position_embeddings // proposer.block_size)
@@ -263,7 +264,7 @@ class MTPGraphs:
         size = bucket * (length + 3)
         sent = to_device(tokens + [r.start for r in rows] + [0] * pad
                          + [len(r.tokens) for r in rows] + [1] * pad
-                         + [r.slot for r in rows] + [self.p.stash.shape[0] - 1] * pad
+                         + [r.slot for r in rows] + [self.spare_row] * pad
                          + (source if shared else []), self.caught.device)
         self.caught[:size].copy_(sent[:size])
         if shared:
@@ -294,7 +295,7 @@ class MTPGraphs:
         rows = bucket * length
         self.caught[:rows + bucket].zero_()
         self.caught[rows + bucket:rows + 2 * bucket].fill_(1)
-        self.caught[rows + 2 * bucket:rows + 3 * bucket].fill_(self.p.stash.shape[0] - 1)
+        self.caught[rows + 2 * bucket:rows + 3 * bucket].fill_(self.spare_row)
         self.tables[:bucket].fill_(self.spare)
         graph, _ = capture(lambda: self._catch_up(bucket, length), self.pool)
         self.pool = graph.pool()

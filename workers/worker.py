@@ -354,9 +354,9 @@ class Worker:
                 allowed = lambda drafts, g=generated, c=constraint: c.allowed(g + drafts)  # noqa: E731
             requests.append(ProposeRequest(w.slot, w.context_len, w.tokens[-1], w.num_drafts,
                                            w.block_table, self.history[w.slot], allowed))
-        on_device = getattr(self.proposer, "propose_on_device", None)   # MTP's and DFlash's
-        if on_device and self.tp.size == 1 and not any(r.allowed for r in requests):
-            tokens = on_device(requests)
+        propose_on_device = getattr(self.proposer, "propose_on_device", None)   # MTP, DFlash
+        if propose_on_device and self.tp.size == 1 and not any(r.allowed for r in requests):
+            tokens = propose_on_device(requests)
             if tokens is not None:
                 return {w.seq_id: [w.tokens[-1]] * w.num_drafts for w in spec}, \
                     DeviceDrafts(tokens, spec)
