@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured...
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
 DECAY = 0.95         # per step that observes a position: its history's weight halves in ~14 steps
-OWN_PRIOR = 2.0      # a sequence's own skill (accepted / expected by the pooled rates) starts at 1,
-                     # worth this many drafts the pooled rates expected accepted...
-OWN_DECAY = 0.95     # ...and its own history's weight halves in ~14 of its rounds
 COST_DECAY = 0.8     # weight of the old average when a (batch bucket, k) step time is measured
 COST_CLIP = 3.0      # a step time above 3x the average counts as 3x (a stall, not the k's cost);
                      # one below a third of it replaces it (the average held a stall)
@@ -74,21 +69,12 @@ class DraftPolicy:
     """Chooses the drafts per sequence of a round, 0..max_drafts, that maximise expected committed
     tokens per second: E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j being the measured
     probability that draft j is accepted when drafts 1..j-1 were, over the measured step time of
-    k drafts at this batch size. Not adaptive, it always answers max_drafts.
+    k drafts at this batch size. Not adaptive, it always answers max_drafts."""
 
-    Acceptance is pooled over every sequence. Given `slots`, each slot also keeps its sequence's
-    skill: drafts it had accepted over those the pooled rates expected it to. A round's
-    E[tokens | k] is then the mean over its sequences of each one's, at the pooled rates times its
-    skill. Sequences differ (a prompt that repeats itself against free prose): the last few of a
-    batch are often those that accept least, and rounds over them alone are better off with fewer
-    drafts than the pooled rates say."""
-
-    def __init__(self, max_drafts: int, adaptive: bool = True, slots: int = 0):
+    def __init__(self, max_drafts: int, adaptive: bool = True):
         self.max_drafts, self.adaptive = max_drafts, adaptive and max_drafts > 0
-        self.tried = np.zeros(max_drafts)     # decayed counts per draft position
-        self.accepted = np.zeros(max_drafts)
-        self.own_accepted = np.zeros(slots)   # decayed drafts accepted, per slot...
-        self.own_expected = np.zeros(slots)   # ...and accepted as the pooled rates expected
+        self.tried = [0.0] * max_drafts       # decayed counts per draft position
+        self.accepted = [0.0] * max_drafts
         self.costs: dict[int, dict[int, StepCost]] = {}   # batch bucket -> k -> measured cost
         self.chosen: dict[int, int] = {}                  # batch bucket -> k of its last round
         self.probes: dict[int, Probes] = {}               # batch bucket -> its probe schedule
@@ -97,15 +83,14 @@ class DraftPolicy:
 
     # -- the choice ---------------------------------------------------------------------
 
-    def choose(self, batch: int, slots: list[int] | None = None) -> int:
-        """k for a round of `batch` decoding sequences, in `slots` when given (the scheduler
-        then caps it per sequence). Now and then a round tries the best k's neighbour,
-        alternately above and below, so a k that lost once (0 included) is measured again and can
-        win back (see Probes)."""
+    def choose(self, batch: int) -> int:
+        """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
+        Now and then a round tries the best k's neighbour, alternately above and below, so a k
+        that lost once (0 included) is measured again and can win back (see Probes)."""
         if not self.adaptive:
             return self.max_drafts
         bucket = batch_bucket(batch)
-        k = self.best(bucket, slots)
+        k = self.best(bucket)
         probes = self.probes.setdefault(bucket, Probes())
         self.probed = probes.due(k)
         if self.probed:
@@ -113,33 +98,27 @@ class DraftPolicy:
         self.chosen[bucket] = self.last_k = k
         return k
 
-    def best(self, bucket: int, slots: list[int] | None = None) -> int:
+    def best(self, bucket: int) -> int:
         """The k with the most expected tokens per second; max_drafts before any step is timed."""
         table = self._cost_table(bucket)
         if not table:
             return self.max_drafts
-        tokens = self.expected_tokens(slots)
-        rates = [tokens[k] / self.step_seconds(table, k) for k in range(self.max_drafts + 1)]
+        rates = [self.expected_tokens(k) / self.step_seconds(table, k)
+                 for k in range(self.max_drafts + 1)]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
-    def expected_tokens(self, slots: list[int] | None = None) -> np.ndarray:
-        """Committed tokens per sequence of a round of k drafts, for k = 0..max_drafts: the bonus
-        or replacement token, plus draft i when it and every draft before it are accepted. Over
-        the sequences in `slots`, the mean of each one's own; else by the pooled rates."""
-        pooled = self.acceptance_at()
-        if slots:
-            rates = np.minimum(self.skill(slots)[:, None] * pooled, 1.0)
-            reach = np.cumsum(np.cumprod(rates, axis=1), axis=1).mean(axis=0)
-        else:
-            reach = np.cumsum(np.cumprod(pooled))
-        return np.concatenate(([1.0], 1.0 + reach))
+    def expected_tokens(self, k: int) -> float:
+        """Committed tokens per sequence of a round of k drafts: the bonus or replacement token,
+        plus draft i when it and every draft before it are accepted."""
+        total, reach = 1.0, 1.0
+        for a in self.acceptance_at()[:k]:
+            reach *= a
+            total += reach
+        return total
 
-    def skill(self, slots: list[int]) -> np.ndarray:
-        """Per slot: drafts accepted / drafts the pooled rates expected accepted, 1 a priori."""
-        return ((self.own_accepted[slots] + OWN_PRIOR) / (self.own_expected[slots] + OWN_PRIOR))
-
-    def acceptance_at(self) -> np.ndarray:
-        return (self.accepted + PRIOR_RATE * PRIOR_WEIGHT) / (self.tried + PRIOR_WEIGHT)
+    def acceptance_at(self) -> list[float]:
+        return [(acc + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+                for acc, tried in zip(self.accepted, self.tried)]
 
     @staticmethod
     def step_seconds(table: dict[int, StepCost], k: int) -> float:
@@ -170,35 +149,19 @@ class DraftPolicy:
 
     # -- measurements -------------------------------------------------------------------
 
-    def record_acceptance(self, outcomes: list[tuple[int, int]],
-                          slots: list[int] | None = None) -> None:
-        """One step's (drafts asked for, drafts accepted) per sequence, in `slots` when given.
-        Draft i was tried when drafts 1..i-1 were accepted; positions the step did not reach
-        keep their history (the pooled one, and each slot's own)."""
-        if not outcomes or not self.max_drafts:
-            return
-        proposed, accepted = np.array(outcomes).reshape(-1, 2).T
-        reached = np.minimum(np.minimum(proposed, accepted + 1), self.max_drafts)
-        position = np.arange(self.max_drafts)
-        tried = position < reached[:, None]                 # [sequences, positions]
-        hit = position < np.minimum(accepted, reached)[:, None]
-        seen = tried.any(axis=0)
-        pooled = self.acceptance_at()
-        self.tried = np.where(seen, DECAY * self.tried + tried.sum(axis=0), self.tried)
-        self.accepted = np.where(seen, DECAY * self.accepted + hit.sum(axis=0), self.accepted)
-        if slots is not None:
-            expected = tried @ pooled                       # by the rates before this step
-            reached_any = reached > 0
-            self.own_accepted[slots] = np.where(
-                reached_any, OWN_DECAY * self.own_accepted[slots] + hit.sum(axis=1),
-                self.own_accepted[slots])
-            self.own_expected[slots] = np.where(
-                reached_any, OWN_DECAY * self.own_expected[slots] + expected,
-                self.own_expected[slots])
-
-    def reset(self, slot: int) -> None:
-        """Forgets the slot's own acceptance: a new sequence holds it."""
-        self.own_accepted[slot] = self.own_expected[slot] = 0.0
+    def record_acceptance(self, outcomes: list[tuple[int, int]]) -> None:
+        """One step's (drafts asked for, drafts accepted) per sequence. Draft i was tried when
+        drafts 1..i-1 were accepted; positions the step did not reach keep their history."""
+        tried = [0] * self.max_drafts
+        accepted = [0] * self.max_drafts
+        for proposed, acc in outcomes:
+            for i in range(min(proposed, acc + 1, self.max_drafts)):
+                tried[i] += 1
+                accepted[i] += i < acc
+        for i, n in enumerate(tried):
+            if n:
+                self.tried[i] = DECAY * self.tried[i] + n
+                self.accepted[i] = DECAY * self.accepted[i] + accepted[i]
 
     def record_cost(self, batch: int, drafts: int, propose_s: float, forward_s: float) -> None:
         """A decode step's seconds: `batch` sequences carrying `drafts` drafts in all."""
@@ -215,7 +178,7 @@ class DraftPolicy:
 
     def as_dict(self) -> dict:
         return {"adaptive": self.adaptive, "max_drafts": self.max_drafts,
-                "acceptance_at": [round(float(a), 4) for a in self.acceptance_at()],
+                "acceptance_at": [round(a, 4) for a in self.acceptance_at()],
                 "k_by_batch": {b: self.chosen[b] for b in sorted(self.chosen)},
                 "step_ms_by_batch": {b: {k: {"propose": round(c.propose_s * 1e3, 3),
                                              "forward": round(c.forward_s * 1e3, 3)}

@@ -51,7 +51,7 @@ class Scheduler:
                                    and capacity.prefix_sharing)
         self.slots = SlotAllocator(capacity.num_slots)
         self.num_drafts = self._draft_limit(config.num_drafts, capacity)
-        self.drafts = DraftPolicy(self.num_drafts, config.adaptive_drafts, capacity.num_slots)
+        self.drafts = DraftPolicy(self.num_drafts, config.adaptive_drafts)
         limit = min(capacity.max_model_len, capacity.num_blocks * capacity.block_size)
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.waiting: deque[Sequence] = deque()
@@ -147,9 +147,8 @@ class Scheduler:
         room = max_seqs or self.config.max_num_seqs
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
-        decoding = [s.slot for s in idle if s.num_pending == 1]
-        k_round = (self.drafts.choose(len(decoding), decoding)
-                   if decoding and self.num_drafts else 0)
+        decoding = sum(s.num_pending == 1 for s in idle)
+        k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
             if budget == 0:
                 break
@@ -179,7 +178,6 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(seq.block_table, tokens, cached + n)
             seq.slot = self.slots.allocate()
-            self.drafts.reset(seq.slot)
             seq.status = Status.RUNNING
             self.running.append(seq)
             chosen.append((seq, n, 0))
@@ -323,9 +321,8 @@ class Scheduler:
         per token (planning, transport, detokenising, stop checks) beside the worker's."""
         if not self.num_drafts:
             return
-        done = [w for w in plan.work if w.seq_id in outcomes]
-        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted) for w in done],
-                                      [w.slot for w in done])
+        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
+                                       for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
             span = time.perf_counter() - plan.planned_at if plan.planned_at else 0.0
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
