@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -57,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt tokens (default 512, bundled model 256; --small: 32)")
+    p.add_argument("--steady-waves", type=int, default=4,
+                   help="also run this many batches' worth of requests through at most B "
+                        "sequences at a time, as under steady serving load (0: not)")
     p.add_argument("--iters", type=int, default=20, help="timed forwards per forward-cost figure")
     p.add_argument("--repeat", type=int, default=3,
                    help="engine runs per method and batch size, taken in turns (the median counts)")
@@ -172,12 +176,40 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             "spec": stats.as_dict()}
 
 
+def steady_run(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
+    """Greedy decoding of every prompt with at most `batch` sequences running at once (the
+    scheduler's max_num_seqs for this run): as one finishes, the next request is admitted, as
+    in serving under steady load. Timed from the first step to the last, the later requests'
+    prefills included; tokens/s counts every token emitted."""
+    sched = llm.scheduler
+    config = sched.config
+    sched.config = replace(config, max_num_seqs=batch)
+    try:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        ids = [llm.add_request(p, params) for p in prompts]
+        sched.stats = SpecStats()
+        steps, start = 0, time.perf_counter()
+        while sched.has_work:
+            llm.step()
+            steps += 1
+        wall = time.perf_counter() - start
+    finally:
+        sched.config = config
+    total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
+    return {"steady_tokens_per_s": total / wall if wall else 0.0, "steady_tokens": total,
+            "steady_requests": len(prompts), "steady_steps": steps, "steady_wall_s": wall,
+            "steady_mean_acceptance_length": (sched.stats.mean_acceptance_length
+                                              if sched.stats.rounds else None)}
+
+
 def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts, args,
                 options: dict) -> dict:
     """tokens/s per method per batch size. Every method's engine is built first; at each batch
     size each one runs once to warm up (Triton compiles kernels for shapes as they first appear,
     the draft policy settles on the batch size's k), then the methods take turns `args.repeat`
-    times and each keeps its median run, so the machine's drifts hit all methods alike."""
+    times and each keeps its median run, so the machine's drifts hit all methods alike. With
+    `args.steady_waves`, each turn also runs steady_run over that many batches' worth of prompts,
+    whose median goes in beside the batch's."""
     top = max(args.batch_sizes)
     engines = {}
     for spec in methods:
@@ -196,14 +228,21 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
         for llm in engines.values():
             decode_run(llm, prompts[:b], args.new_tokens)
         runs: dict[str, list] = {spec: [] for spec in methods}
+        steady: dict[str, list] = {spec: [] for spec in methods}
         for _ in range(args.repeat):
             for spec, llm in engines.items():
                 runs[spec].append(decode_run(llm, prompts[:b], args.new_tokens))
+                if args.steady_waves:
+                    steady[spec].append(steady_run(llm, prompts[:b * args.steady_waves], b,
+                                                   args.new_tokens))
         for spec, these in runs.items():
             these.sort(key=lambda r: r["tokens_per_s"])
             out[spec][b] = these[len(these) // 2]
             each = ", ".join(f"{r['tokens_per_s']:.0f}" for r in these)
             note(f"  {spec} batch {b}: {out[spec][b]['tokens_per_s']:.1f} tokens/s (runs {each})")
+            if steady[spec]:
+                steady[spec].sort(key=lambda r: r["steady_tokens_per_s"])
+                out[spec][b].update(steady[spec][len(steady[spec]) // 2])
     for llm in engines.values():
         release(llm)
     return out
@@ -296,7 +335,7 @@ def bench_model(name: str, args, options: dict, bandwidth: float) -> dict:
     prompt_len = args.prompt_len or (32 if args.small else 256 if name == "bundled" else 512)
     a = argparse.Namespace(**{**vars(args), "prompt_len": prompt_len,
                               "dtype": args.dtype_name, "device": str(args.device)})
-    top = max(args.batch_sizes + args.hf_batch_sizes)
+    top = max(args.batch_sizes + args.hf_batch_sizes) * max(args.steady_waves, 1)
     if shape is None and (Path(model_dir) / "heldout.json").is_file():
         prompts = bundled_prompts(Path(model_dir), top, prompt_len)
     else:
@@ -435,8 +474,10 @@ def format_report(report: dict) -> str:
                     + (f"{a:>3.1f}" if (a := runs[b]['mean_acceptance_length']) else "  -")
                     if b in runs else " " * 17 for b in sizes))
             if "none" in eng:
-                for key, note in (("tokens_per_s", ""), ("full_batch_tokens_per_s",
-                                                         "   (until the first sequence finished)")):
+                steady = f"   (steady: {report.get('steady_waves')}B requests, at most B running)"
+                for key, note in (("tokens_per_s", ""),
+                                  ("full_batch_tokens_per_s", "   (until the first sequence finished)"),
+                                  ("steady_tokens_per_s", steady)):
                     for meth, r in _speedups(eng, key).items():
                         lines.append(f"  {meth + ' / none':<12}" + "".join(
                             f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes) + note)
@@ -543,6 +584,7 @@ def run(args) -> int:
         "worker_options": {"attention_backend": options.get("attention_backend", "auto"),
                            "cuda_graphs": options.get("cuda_graphs", True)},
         "bandwidth_bytes_per_s": bandwidth, "copy_bytes": copy_size,
+        "steady_waves": args.steady_waves,
         "seconds": round(time.perf_counter() - start, 1), "models": models}
     report["targets"] = targets(models)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -37,12 +37,17 @@ def test_bench_small_on_cpu(tmp_path, capsys):
         assert list(m["engine"]) == methods
         for method, runs in m["engine"].items():
             assert set(runs) == {"1", "2"}
-            for run in runs.values():
+            for size, run in runs.items():
                 assert run["tokens_per_s"] > 0 and run["ms_per_step"] > 0 and run["tokens"] > 0
                 # until the first sequence finished; plain sequences all finish in one step
                 assert 0 < run["full_batch_tokens"] <= run["tokens"]
                 assert run["full_batch_tokens_per_s"] > 0
                 assert method != "none" or run["full_batch_tokens"] == run["tokens"]
+                # steady: 4B requests of 12 tokens, at most B sequences (so tokens) a step
+                b = int(size)
+                assert run["steady_requests"] == 4 * b and run["steady_tokens"] == 4 * b * 12
+                assert run["steady_tokens_per_s"] > 0
+                assert method != "none" or run["steady_steps"] >= 4 * 12
                 proposed = run["spec"]["drafts_proposed"]
                 if method == "none":
                     assert run["acceptance"] is None and proposed == 0
