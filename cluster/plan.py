@@ -75,6 +75,8 @@ class WorkerCapacity:
     prefix_sharing: bool = True            # False when the proposer keeps per-row state
     on_gpu: bool = False
     pad_drafts: bool = False               # the worker verifies filler rows up to a planned depth
+    graphs: bool = False                   # it replays captured decode/verify steps: a step that
+                                           # mixes a prefill chunk in runs eagerly
 
     @property
     def has_proposer(self) -> bool:

@@ -147,6 +147,12 @@ class Scheduler:
         room = max_seqs or self.config.max_num_seqs
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
+        # A worker replaying CUDA graphs runs a step with a prefill chunk in it eagerly, at many
+        # times a decode round's cost: prefills get steps of their own, taken first.
+        prefill_only = self.capacity.graphs and (any(s.num_pending > 1 for s in idle)
+                                                 or self._admissible(budget) is not None)
+        if prefill_only:
+            idle = [s for s in idle if s.num_pending > 1]
         decoding = sum(s.num_pending == 1 for s in idle)
         k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
@@ -167,16 +173,10 @@ class Scheduler:
             self.blocks.append(seq.block_table, seq.num_computed + n + k)
             chosen.append((seq, n, k))
             budget -= n + k
-        while (self.waiting and budget > 0 and len(chosen) < room
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            tokens = seq.tokens
-            cached = len(self.blocks.cached_prefix(tokens)) * self.capacity.block_size
-            n = min(seq.num_tokens - cached, budget)
-            if not self.blocks.can_allocate(tokens, cached + n) or self.slots.num_free == 0:
-                break
-            self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.block_table, tokens, cached + n)
+        while len(chosen) < room and (start := self._admissible(budget)):
+            cached, n = start
+            seq = self.waiting.popleft()
+            seq.num_computed = self.blocks.allocate(seq.block_table, seq.tokens, cached + n)
             seq.slot = self.slots.allocate()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -187,11 +187,22 @@ class Scheduler:
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
         pad = self._pad_depth(chosen)
         work = [self._work(seq, n, k, pad.get(seq.seq_id, 0)) for seq, n, k in chosen]
-        if self.plans_ahead:
+        if self.plans_ahead and not prefill_only:
             work += self._ahead(min(room - len(work), budget))
         for seq, _, _ in chosen:
             self.in_flight[seq.seq_id] = 1
         return StepPlan(work, planned_at)
+
+    def _admissible(self, budget: int) -> tuple[int, int] | None:
+        """When the first waiting request can start now with at most `budget` rows: its tokens
+        already in the prefix cache and the rows of its first chunk; else None."""
+        if (not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs
+                or self.slots.num_free == 0):
+            return None
+        seq = self.waiting[0]
+        cached = len(self.blocks.cached_prefix(seq.tokens)) * self.capacity.block_size
+        n = min(seq.num_tokens - cached, budget)
+        return (cached, n) if self.blocks.can_allocate(seq.tokens, cached + n) else None
 
     def _ahead(self, room: int) -> list[SeqWork]:
         """Decode steps for sequences whose one step in flight samples their next token: the

@@ -159,7 +159,7 @@ class Worker:
             fixed_drafts=p.fixed_drafts if p else None,
             propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
             prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda",
-            pad_drafts=bool(p) and self.pad_drafts)
+            pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs)
         self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
         self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
         self._grammar_compiler = None

@@ -331,3 +331,33 @@ def test_a_failed_step_leaves_no_sequence_in_flight(checkpoint):
     assert not llm.scheduler.in_flight   # so the sequences can be planned again
     llm.worker.execute = execute
     assert [o.text for o in llm.generate(PROMPTS[:2], params)] == [o.text for o in want]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_a_worker_replaying_graphs_gets_prefills_in_steps_of_their_own(checkpoint, graphs):
+    """A step mixing a prefill chunk into a decode round runs eagerly on a worker that replays
+    CUDA graphs, so for such a worker a step is all prefill or all decoding, prefills first.
+    Requests arriving while others decode keep their greedy output; without graphs steps mix."""
+    model_dir = checkpoint("qwen3_5")
+    kw = dict(device="cpu", block_size=4, max_num_seqs=4, speculative_method="ngram", num_drafts=3)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_dir, **kw).generate(PROMPTS, params)]
+    llm = LLM(model_dir, **kw)
+    sched = llm.scheduler
+    sched.capacity = replace(sched.capacity, graphs=graphs)
+    kinds, arrivals = [], list(enumerate(PROMPTS))
+    while arrivals or sched.has_work:
+        if arrivals and len(kinds) % 3 == 0:      # one arrives every third step
+            i, prompt = arrivals.pop(0)
+            llm.add_request(prompt, params, request_id=f"r{i}")
+        if not sched.has_work:
+            kinds.append(set())
+            continue
+        plan = sched.schedule()
+        kinds.append({"prefill" if w.context_len < w.prompt_len else "decode" for w in plan.work})
+        sched.update(plan, llm.worker.execute(plan))
+    outputs = [llm.finished_output(f"r{i}").token_ids for i in range(len(PROMPTS))]
+    assert outputs == expected
+    mixed = [k for k in kinds if len(k) == 2]
+    assert not mixed if graphs else mixed
+    assert sum(k == {"prefill"} for k in kinds) >= (len(PROMPTS) if graphs else 0)
