@@ -350,23 +350,36 @@ def test_gated_rms_norm_matches_the_module(dtype):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention runs on CUDA only")
-def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint):
-    """A prefill chunk of FLA_CHUNK_MIN_ROWS rows or more goes to fla's chunked kernel."""
+@pytest.mark.parametrize("sequences, length, chunked", [(4, 264, True), (1, 264, False)])
+def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint, monkeypatch,
+                                                               sequences, length, chunked):
+    """Prefill chunks of FLA_CHUNK_MIN_LEN rows or more, FLA_CHUNK_MIN_ROWS or more in all, go to
+    fla's chunked kernel; fewer rows run token by token. Both match transformers' logits."""
     pytest.importorskip("fla")
     import checkpoints
     from metrale.deploy.llm import LLM
     from metrale.workers.batch import ForwardBatch
-    from metrale.workers.models.gated_deltanet import FLA_CHUNK_MIN_ROWS
+    from metrale.workers.models import gated_deltanet
+    calls = []
+    real = gated_deltanet._fla_chunk
+    monkeypatch.setattr(gated_deltanet, "_fla_chunk", lambda: calls.append(1) or real())
     model_dir = checkpoint("qwen3_5")
     llm = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="triton",
               cuda_graphs=False, block_size=16)
     w = llm.worker
-    ids = (llm.encode("def schedule(self, tokens): return [t for t in tokens if t] ") * 20)
-    ids = ids[:FLA_CHUNK_MIN_ROWS + 37]
-    batch = ForwardBatch.build([(ids, 0, list(range(-(-len(ids) // 16))), 0)], 16, w.device,
-                               w.backend)
+    texts = ["def schedule(self, tokens): return [t for t in tokens if t] ",
+             "class Pool:\n    def take(self, n):\n        return self.free[:n] ",
+             "import os\nfor name in os.listdir('.'):\n    print(name) ", "x = [i * i for i in y] "]
+    prompts = [(llm.encode(t) * 100)[:length] for t in texts[:sequences]]
+    blocks = -(-length // 16)
+    batch = ForwardBatch.build([(ids, 0, list(range(i * blocks, (i + 1) * blocks)), i)
+                                for i, ids in enumerate(prompts)], 16, w.device, w.backend)
+    assert (sequences * length >= gated_deltanet.FLA_CHUNK_MIN_ROWS) == chunked
     logits = w.model.logits(w.model(batch, w.kv, w.ssm)[0]).cpu()
-    assert rel_err(logits, checkpoints.reference_logits(model_dir, ids)) < 1e-2
+    assert bool(calls) == chunked
+    for i, ids in enumerate(prompts):
+        rows = logits[i * length:(i + 1) * length]
+        assert rel_err(rows, checkpoints.reference_logits(model_dir, ids)) < 1e-2
 
 
 class _Replayed:
