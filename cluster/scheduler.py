@@ -141,16 +141,22 @@ class Scheduler:
 
     def schedule(self, max_seqs: int | None = None) -> StepPlan:
         """The next step for sequences not in flight (at most `max_seqs` of them); they are in
-        flight until `update` takes the plan's result."""
+        flight until `update` takes the plan's result. A worker replaying CUDA graphs runs a step
+        with a prefill chunk in it eagerly, at many times a decode round's cost, so there
+        prefills get steps of their own, taken first; when none can run without preempting,
+        the step is planned as usual (decode rounds, and prefills that make room)."""
         planned_at = time.perf_counter()
+        if self.capacity.graphs and (plan := self._plan(max_seqs, prefill_only=True)):
+            return StepPlan(plan, planned_at)
+        return StepPlan(self._plan(max_seqs, prefill_only=False), planned_at)
+
+    def _plan(self, max_seqs: int | None, prefill_only: bool) -> list[SeqWork]:
+        """The step's work. With `prefill_only`, only prompt chunks and admissions, none of which
+        preempts: a chunk without room waits (empty work then changes nothing)."""
         budget = self.config.max_num_batched_tokens
         room = max_seqs or self.config.max_num_seqs
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
-        # A worker replaying CUDA graphs runs a step with a prefill chunk in it eagerly, at many
-        # times a decode round's cost: prefills get steps of their own, taken first.
-        prefill_only = self.capacity.graphs and (any(s.num_pending > 1 for s in idle)
-                                                 or self._admissible(budget) is not None)
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
         decoding = sum(s.num_pending == 1 for s in idle)
@@ -162,13 +168,15 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             k = self._drafts_for(seq, k_round, budget - 1) if seq.num_pending == 1 else 0
-            while not self.blocks.can_append(seq.block_table, seq.num_computed + n + k):
+            fits = self.blocks.can_append(seq.block_table, seq.num_computed + n + k)
+            while not fits and not prefill_only:
                 # the latest sequence not in flight: a step may still write a flying one's blocks
                 victim = next(s for s in reversed(self.running) if s.seq_id not in self.in_flight)
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is not Status.RUNNING:
+                fits = self.blocks.can_append(seq.block_table, seq.num_computed + n + k)
+            if not fits:
                 continue
             self.blocks.append(seq.block_table, seq.num_computed + n + k)
             chosen.append((seq, n, k))
@@ -191,7 +199,7 @@ class Scheduler:
             work += self._ahead(min(room - len(work), budget))
         for seq, _, _ in chosen:
             self.in_flight[seq.seq_id] = 1
-        return StepPlan(work, planned_at)
+        return work
 
     def _admissible(self, budget: int) -> tuple[int, int] | None:
         """When the first waiting request can start now with at most `budget` rows: its tokens

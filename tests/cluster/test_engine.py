@@ -361,3 +361,28 @@ def test_a_worker_replaying_graphs_gets_prefills_in_steps_of_their_own(checkpoin
     mixed = [k for k in kinds if len(k) == 2]
     assert not mixed if graphs else mixed
     assert sum(k == {"prefill"} for k in kinds) >= (len(PROMPTS) if graphs else 0)
+
+
+def test_prefill_steps_never_starve_decoding_when_blocks_run_out(checkpoint):
+    """On a graph worker a prompt that cannot fit beside a decoding sequence must not loop
+    through prefill steps (preempting itself and starting again) while the decoding sequence
+    waits: a prefill step never preempts, and when none can run the step decodes as usual."""
+    from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
+    from metrale.cluster.scheduler import Scheduler
+    capacity = WorkerCapacity(num_blocks=3, block_size=4, num_slots=2, max_model_len=64,
+                              vocab_size=384, eos_token_ids=(0,), hybrid=False, graphs=True)
+    s = Scheduler(SchedulerConfig(prefix_caching=False, plan_ahead=False,
+                                  max_num_batched_tokens=4), capacity,
+                  load_tokenizer(checkpoint("qwen3")))
+    short, = s.add_request("short", [5] * 3, SamplingParams(max_tokens=5, ignore_eos=True))
+    long, = s.add_request("long", [6] * 11, SamplingParams(max_tokens=1, ignore_eos=True))
+    kinds = []
+    for _ in range(100):
+        if not s.has_work:
+            break
+        plan = s.schedule()
+        kinds.append({"prefill" if w.context_len < w.prompt_len else "decode" for w in plan.work})
+        s.update(plan, StepResult([SeqOutcome(w.seq_id, [9]) for w in plan.work if w.sample]))
+    assert not s.has_work and short.finished and long.finished
+    assert len(short.output_ids) == 5 and len(long.output_ids) == 1
+    assert {"prefill"} in kinds and any("decode" in k for k in kinds)
