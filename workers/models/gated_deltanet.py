@@ -151,15 +151,15 @@ class GatedDeltaNet(nn.Module):
     def _mix_on_gpu(self, mixed, a, b, slots, pool, verify: bool):
         """The same in Triton, reading and writing the pool in place: the conv, then the
         recurrence with its gates; long chunks without a verify, FLA_CHUNK_MIN_ROWS rows or more
-        in all, go to flash-linear-attention's chunked kernel when it is installed. Returns [B, L, value_heads, dv] in mixed's dtype."""
+        in all, go to flash-linear-attention's chunked kernel when it is installed. Returns
+        [B, L, value_heads, dv] in mixed's dtype."""
         layer, length = self.pool_index, mixed.shape[1]
         offsets = pool.offsets if verify else None
         conv = kernels.causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
                                             pool.verify_conv[layer] if verify else None, offsets)
         q, k, v = self._heads(conv)
-        rows = mixed.shape[0] * length
         chunk = (_fla_chunk() if not verify and length >= FLA_CHUNK_MIN_LEN
-                 and rows >= FLA_CHUNK_MIN_ROWS else None)
+                 and mixed.shape[0] * length >= FLA_CHUNK_MIN_ROWS else None)
         if chunk is None:
             return kernels.gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias,
                                             pool.state[layer], slots,
