@@ -43,16 +43,21 @@ class BlockManager:
             blocks.append(self.block_of[parent])
         return blocks
 
-    def can_allocate(self, tokens: list[int], num_tokens: int) -> bool:
-        """Room to admit a sequence whose first `num_tokens` tokens must be in the cache."""
-        cached = self.cached_prefix(tokens)
+    def can_allocate(self, tokens: list[int], num_tokens: int,
+                     cached: list[int] | None = None) -> bool:
+        """Room to admit a sequence whose first `num_tokens` tokens must be in the cache
+        (`cached`: cached_prefix(tokens), when the caller has it; hashing a long prompt costs)."""
+        if cached is None:
+            cached = self.cached_prefix(tokens)
         revived = sum(1 for b in cached if b in self.free)
         return self.blocks_for(num_tokens) - len(cached) + revived <= self.num_free
 
-    def allocate(self, table: list[int], tokens: list[int], num_tokens: int) -> int:
-        """Fills an empty block table for the first `num_tokens` tokens; returns the cached tokens."""
+    def allocate(self, table: list[int], tokens: list[int], num_tokens: int,
+                 cached: list[int] | None = None) -> int:
+        """Fills an empty block table for the first `num_tokens` tokens; returns the cached tokens
+        (`cached` as for can_allocate)."""
         assert not table
-        for b in self.cached_prefix(tokens):
+        for b in self.cached_prefix(tokens) if cached is None else cached:
             self.free.pop(b, None)
             self.ref_count[b] += 1
             table.append(b)

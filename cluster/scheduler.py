@@ -182,9 +182,10 @@ class Scheduler:
             chosen.append((seq, n, k))
             budget -= n + k
         while len(chosen) < room and (start := self._admissible(budget)):
-            cached, n = start
+            tokens, cached, n = start
             seq = self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.block_table, seq.tokens, cached + n)
+            seq.num_computed = self.blocks.allocate(
+                seq.block_table, tokens, len(cached) * self.capacity.block_size + n, cached)
             seq.slot = self.slots.allocate()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -201,16 +202,20 @@ class Scheduler:
             self.in_flight[seq.seq_id] = 1
         return work
 
-    def _admissible(self, budget: int) -> tuple[int, int] | None:
-        """When the first waiting request can start now with at most `budget` rows: its tokens
-        already in the prefix cache and the rows of its first chunk; else None."""
+    def _admissible(self, budget: int) -> tuple[list[int], list[int], int] | None:
+        """When the first waiting request can start now with at most `budget` rows: its tokens,
+        the blocks of them already in the prefix cache and the rows of its first chunk (the
+        prefix hashed once for the test and the allocation); else None."""
         if (not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs
                 or self.slots.num_free == 0):
             return None
-        seq = self.waiting[0]
-        cached = len(self.blocks.cached_prefix(seq.tokens)) * self.capacity.block_size
-        n = min(seq.num_tokens - cached, budget)
-        return (cached, n) if self.blocks.can_allocate(seq.tokens, cached + n) else None
+        tokens = self.waiting[0].tokens
+        cached = self.blocks.cached_prefix(tokens)
+        num_cached = len(cached) * self.capacity.block_size
+        n = min(len(tokens) - num_cached, budget)
+        if not self.blocks.can_allocate(tokens, num_cached + n, cached):
+            return None
+        return tokens, cached, n
 
     def _ahead(self, room: int) -> list[SeqWork]:
         """Decode steps for sequences whose one step in flight samples their next token: the

@@ -386,3 +386,18 @@ def test_prefill_steps_never_starve_decoding_when_blocks_run_out(checkpoint):
     assert not s.has_work and short.finished and long.finished
     assert len(short.output_ids) == 5 and len(long.output_ids) == 1
     assert {"prefill"} in kinds and any("decode" in k for k in kinds)
+
+
+def test_an_admission_hashes_the_prompt_once(checkpoint):
+    """The admission test and the allocation share one walk of the prompt's prefix hashes."""
+    from metrale.cluster.plan import WorkerCapacity
+    from metrale.cluster.scheduler import Scheduler
+    capacity = WorkerCapacity(num_blocks=16, block_size=4, num_slots=2, max_model_len=64,
+                              vocab_size=384, eos_token_ids=(0,), hybrid=False)
+    s = Scheduler(SchedulerConfig(plan_ahead=False), capacity, load_tokenizer(checkpoint("qwen3")))
+    walks = []
+    walk = s.blocks.cached_prefix
+    s.blocks.cached_prefix = lambda tokens: walks.append(len(tokens)) or walk(tokens)
+    s.add_request("a", [5] * 13, SamplingParams(max_tokens=4, ignore_eos=True))
+    plan = s.schedule()
+    assert [len(w.tokens) for w in plan.work] == [13] and walks == [13]
