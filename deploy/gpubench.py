@@ -549,6 +549,8 @@ def run(args) -> int:
     for m in args.methods:
         if not METHOD.fullmatch(m):
             raise SystemExit(f"--methods: {m!r} is not METHOD, METHOD@K or METHOD=K")
+    if args.steady_waves < 0:
+        raise SystemExit(f"--steady-waves: {args.steady_waves} is below 0 (0 turns steady runs off)")
     args.new_tokens = args.new_tokens or (16 if args.small else 128)
     options = {}
     if args.attention_backend:

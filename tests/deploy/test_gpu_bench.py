@@ -96,3 +96,9 @@ def test_a_bad_method_spec_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match=r"--methods: 'ngram@x' is not METHOD, METHOD@K or METHOD=K"):
         main(["bench", "--small", "--device", "cpu", "--methods", "none,ngram@x",
               "--out", str(tmp_path)])
+
+
+def test_a_negative_steady_waves_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"--steady-waves: -1 is below 0"):
+        main(["bench", "--small", "--device", "cpu", "--steady-waves", "-1",
+              "--out", str(tmp_path)])
