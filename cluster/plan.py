@@ -31,7 +31,8 @@ class SeqWork:
 @dataclass
 class StepPlan:
     work: list[SeqWork]
-    planned_at: float = 0.0    # the scheduler's time.perf_counter() when it began the plan
+    planned_at: float = 0.0    # the scheduler's clock when it began the plan
+    prefill: bool = False      # prompt chunks only, on a graph worker (the scheduler times these)
 
 
 @dataclass

@@ -65,6 +65,11 @@ class Scheduler:
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
+        self.clock = time.perf_counter
+        # On a graph worker: the worker's seconds for its recent prefill steps, and since when
+        # prompts have waited for one while others decode (`_prefill_due`).
+        self.prefill_times: deque[float] = deque(maxlen=16)
+        self.deferred_since: float | None = None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -144,15 +149,50 @@ class Scheduler:
         flight until `update` takes the plan's result. A worker replaying CUDA graphs runs a step
         with a prefill chunk in it eagerly, at many times a decode round's cost, so there
         prefills get steps of their own, taken first; when none can run without preempting,
-        the step is planned as usual (decode rounds, and prefills that make room)."""
-        planned_at = time.perf_counter()
-        if self.capacity.graphs and (plan := self._plan(max_seqs, prefill_only=True)):
-            return StepPlan(plan, planned_at)
-        return StepPlan(self._plan(max_seqs, prefill_only=False), planned_at)
+        the step is planned as usual (decode rounds, and prefills that make room). While others
+        decode, prompts arriving one by one are gathered into one such step (`_prefill_due`)."""
+        planned_at = self.clock()
+        if not self.capacity.graphs:
+            return StepPlan(self._plan(max_seqs, prefill_only=False), planned_at)
+        due = self._prefill_due(planned_at)
+        if due and (plan := self._plan(max_seqs, prefill_only=True)):
+            self.deferred_since = None
+            return StepPlan(plan, planned_at, prefill=True)
+        return StepPlan(self._plan(max_seqs, prefill_only=False, admit=due), planned_at)
 
-    def _plan(self, max_seqs: int | None, prefill_only: bool) -> list[SeqWork]:
+    def _prefill_due(self, now: float) -> bool:
+        """Whether a graph worker's next step should be a prefill step. A prefill step costs
+        about the same for one prompt as for many (host time: eager launches), so while other
+        sequences decode, an admissible prompt waits, and prompts arriving (or seats freeing)
+        meanwhile join it, until the wait equals one measured prefill step: a prompt's time to
+        first token at most doubles, and under load a prefill step admits several. A prompt in
+        mid-prefill, nothing to decode, or a full step's rows waiting make it due at once.
+        A prefill step's cost is the least of the recent ones: what a step costs however few
+        rows it has (what gathering saves), without a step that compiled kernels."""
+        if not self.waiting:
+            self.deferred_since = None
+            return any(s.num_pending > 1 for s in self.running)
+        if (not self.prefill_times or any(s.num_pending > 1 for s in self.running)
+                or not any(s.num_pending == 1 for s in self.running) or self._a_step_waits()):
+            return True
+        if self.deferred_since is None:
+            self.deferred_since = now
+        return now - self.deferred_since >= min(self.prefill_times)
+
+    def _a_step_waits(self) -> bool:
+        """Whether the prompts that could start now (one per free seat) fill a step's rows."""
+        seats = min(self.config.max_num_seqs - len(self.running), self.slots.num_free)
+        rows = 0
+        for seq in itertools.islice(self.waiting, max(seats, 0)):
+            rows += seq.num_tokens
+            if rows >= self.config.max_num_batched_tokens:
+                return True
+        return False
+
+    def _plan(self, max_seqs: int | None, prefill_only: bool, admit: bool = True) -> list[SeqWork]:
         """The step's work. With `prefill_only`, only prompt chunks and admissions, none of which
-        preempts: a chunk without room waits (empty work then changes nothing)."""
+        preempts: a chunk without room waits (empty work then changes nothing). Without `admit`,
+        waiting requests stay waiting."""
         budget = self.config.max_num_batched_tokens
         room = max_seqs or self.config.max_num_seqs
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
@@ -181,7 +221,7 @@ class Scheduler:
             self.blocks.append(seq.block_table, seq.num_computed + n + k)
             chosen.append((seq, n, k))
             budget -= n + k
-        while len(chosen) < room and (start := self._admissible(budget)):
+        while admit and len(chosen) < room and (start := self._admissible(budget)):
             tokens, cached, n = start
             seq = self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(
@@ -338,17 +378,20 @@ class Scheduler:
         return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
 
     def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict) -> None:
-        """Feeds the draft policy a step's acceptance, and its time when every sequence of it
+        """Keeps the cost of a graph worker's prefill steps (see `_prefill_due`). Feeds the
+        draft policy a step's acceptance, and its time when every sequence of it
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
         asked for: one the proposer did not make gains no token, like a rejected one. The time
         runs from planning to the end of this update, so it holds the host's work per step and
         per token (planning, transport, detokenising, stop checks) beside the worker's."""
+        if plan.prefill:   # the worker's time: a plan may have waited behind another there
+            self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
             return
         self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
-            span = time.perf_counter() - plan.planned_at if plan.planned_at else 0.0
+            span = self.clock() - plan.planned_at if plan.planned_at else 0.0
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
                                     result.propose_s, max(result.forward_s, span - result.propose_s))
 
