@@ -183,7 +183,8 @@ class MetraleConfig(BaseModel):
             self_spec_layers=self.self_spec_layers, dflash_window=self.dflash_window,
             ngram_min=self.ngram_min, ngram_max=self.ngram_max,
             tensor_parallel_size=self.tensor_parallel_size,
-            attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs, **extra)
+            attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs,
+            warmup_prefill_rows=self.max_num_batched_tokens, **extra)
 
     def scheduler_config(self) -> SchedulerConfig:
         """Drafts per round are filled in from the workers' proposer (ReplicaEngine.build)."""

@@ -96,6 +96,7 @@ class LLM:
         self.chat_template = read_chat_template(model)
         if num_drafts is not None:
             worker_options.setdefault("max_drafts", max(num_drafts, 1))
+        worker_options.setdefault("warmup_prefill_rows", max_num_batched_tokens)
         config = WorkerConfig(
             str(model), device, dtype, block_size, kv_cache_bytes, max_num_seqs,
             speculative_method, str(drafter) if drafter else None,

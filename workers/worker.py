@@ -92,6 +92,8 @@ class WorkerConfig:
     cuda_graphs: bool = True             # replay captured decode/verify steps on CUDA
     pad_drafts: bool | None = None       # verify every planned draft slot (None: with CUDA graphs)
     capture_at_start: bool = True        # capture every decode/verify graph when starting
+    warmup_prefill_rows: int = 0         # on CUDA: one dummy prefill of this many rows at start
+                                         # (the step budget), compiling its kernels before serving
 
     @property
     def torch_device(self) -> torch.device:
@@ -181,6 +183,10 @@ class Worker:
                      time.perf_counter() - start)
         if self.graphs is not None and p is not None and self.ssm is not None:
             self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots)   # tiny: always now
+        if config.warmup_prefill_rows and self.device.type == "cuda":
+            start = time.perf_counter()
+            rows = self.warm_up(config.warmup_prefill_rows)
+            log.info("warmed up a prefill of %d rows in %.1fs", rows, time.perf_counter() - start)
         log.info("worker on %s: %s", self.device, self.memory_report())
 
     def _make_kv_cache(self) -> PagedKVCache:
@@ -287,6 +293,24 @@ class Worker:
                                f"sampled no token for them")
         return [replace(w, tokens=[sampled[w.seq_id]])
                 if w.tokens[0] == AHEAD else w for w in work]
+
+    @torch.inference_mode()
+    def warm_up(self, rows: int) -> int:
+        """Runs one eager prefill of up to `rows` rows (a dummy prompt in slot 0, over blocks
+        no sequence holds yet, the slot's state cleared after), so that the kernels of the
+        largest prefill step compile, and flash-linear-attention's autotune runs, before the
+        first request rather than inside it (37 s on an H200 the first time). Returns the rows."""
+        bs = self.config.block_size
+        rows = min(rows, self.model.config.max_position_embeddings - 1,
+                   (self.kv.num_blocks - 1) * bs)
+        if rows < 1:
+            return 0
+        self._forward(RowsLayout.of([([0] * rows, 0, list(range(-(-rows // bs))), 0)], bs))
+        if self.ssm is not None:
+            self.ssm.reset([0])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return rows
 
     @torch.inference_mode()
     def time_forward(self, batch_size: int, rows: int, context_len: int, iters: int = 20) -> float:

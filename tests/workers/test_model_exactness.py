@@ -98,3 +98,20 @@ def test_sharded_checkpoint_loads(checkpoint, tmp_path):
     b = LLM(tmp_path, device="cpu").generate(["hello"], SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert a.token_ids == b.token_ids
+
+
+def test_the_start_up_prefill_leaves_no_trace(checkpoint):
+    """`Worker.warm_up` (run at start on CUDA, with the step budget's rows) prefills a dummy
+    prompt in slot 0 over free blocks: slot 0's SSM state is cleared after it, the rows are
+    capped by the context and the cache, and the first request's greedy tokens are unchanged."""
+    model_dir = checkpoint("qwen3_5")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    cold = LLM(model_dir, device="cpu", block_size=4)
+    expected = [o.token_ids for o in cold.generate(PROMPTS, params)]
+    llm = LLM(model_dir, device="cpu", block_size=4)
+    w = llm.worker
+    assert w.warm_up(40) == 40
+    assert not w.ssm.state[:, 0].any() and not w.ssm.conv[:, 0].any()
+    assert w.warm_up(10 ** 9) == min(w.model.config.max_position_embeddings - 1,
+                                     (w.kv.num_blocks - 1) * 4)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
