@@ -163,12 +163,15 @@ class Scheduler:
     def _prefill_due(self, now: float) -> bool:
         """Whether a graph worker's next step should be a prefill step. A prefill step costs
         about the same for one prompt as for many (host time: eager launches), so while other
-        sequences decode, an admissible prompt waits, and prompts arriving (or seats freeing)
-        meanwhile join it, until the wait equals one measured prefill step: a prompt's time to
-        first token at most doubles, and under load a prefill step admits several. A prompt in
-        mid-prefill, nothing to decode, or a full step's rows waiting make it due at once.
-        A prefill step's cost is the least of the recent ones: what a step costs however few
-        rows it has (what gathering saves), without a step that compiled kernels."""
+        sequences decode, waiting prompts wait on, and prompts arriving (or seats freeing)
+        meanwhile join them, until one measured prefill step's time has passed since they began
+        to wait (or since the last prefill step, when a queue never empties). A prompt that
+        finds a free seat thus at most doubles its time to first token, and under a full queue
+        prefill steps come at most once per that time, each admitting every prompt that can
+        start by then. A prompt in mid-prefill, nothing to decode, or a full step's rows
+        waiting make it due at once. A prefill step's cost is the least of the recent ones:
+        what a step costs however few rows it has (what gathering saves), without a step that
+        compiled kernels."""
         if not self.waiting:
             self.deferred_since = None
             return any(s.num_pending > 1 for s in self.running)

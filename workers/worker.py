@@ -299,7 +299,8 @@ class Worker:
         """Runs one eager prefill of up to `rows` rows (a dummy prompt in slot 0, over blocks
         no sequence holds yet, the slot's state cleared after), so that the kernels of the
         largest prefill step compile, and flash-linear-attention's autotune runs, before the
-        first request rather than inside it (37 s on an H200 the first time). Returns the rows."""
+        first request rather than inside it (56 s for the bundled model on an H200 in one run).
+        Returns the rows."""
         bs = self.config.block_size
         rows = min(rows, self.model.config.max_position_embeddings - 1,
                    (self.kv.num_blocks - 1) * bs)
