@@ -329,6 +329,83 @@ def test_fused_norms_and_activation_match_the_modules(dtype, offset):
         assert rel_err(kernels.silu_mul(gate_up), ref) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_out,n_in", [(50, 64), (37, 1500), (6, 2048)])
+def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
+    """One row (a view of a wider row) through the GEMV kernel; linear() takes it only for one
+    row in inference, and F.linear otherwise."""
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(n_in)
+    w = torch.randn(n_out, n_in, generator=g, device=DEVICE).to(dtype)
+    rows = torch.randn(2, n_in + 3, generator=g, device=DEVICE).to(dtype)[:, 3:]
+    ref = F.linear(rows[:1].float(), w.float())
+    with torch.inference_mode():
+        out = kernels.gemv(rows[:1], w)
+        assert out.shape == (1, n_out) and out.dtype == dtype
+        assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(kernels.linear(rows[:1], w), out)
+        assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # two rows: cuBLAS
+    with torch.enable_grad():
+        assert torch.equal(kernels.linear(rows[:1], w), F.linear(rows[:1], w))
+
+
+def test_one_sequence_decodes_through_the_gemv(checkpoint, monkeypatch):
+    """Alone in the batch, a sequence's decode steps run every projection and the lm_head as
+    GEMVs, and its greedy tokens stay transformers'."""
+    import checkpoints
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    calls = []
+    gemv = kernels.gemv
+    monkeypatch.setattr(kernels, "gemv", lambda x, w: calls.append(w.shape) or gemv(x, w))
+    model_dir = checkpoint("qwen3")
+    llm = LLM(model_dir, device=DEVICE, dtype="float32", block_size=4,
+              attention_backend="triton", cuda_graphs=DEVICE == "cuda")
+    prompt = llm.encode("def schedule(self, tokens):")
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == checkpoints.reference_greedy(model_dir, prompt, 12)
+    assert (llm.worker.model.lm_head.weight.shape in calls
+            and llm.worker.model.model.layers[0].self_attn.qkv.shape in calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("offset,rot,gated", [(False, 64, False), (True, 16, True)])
+def test_qk_norm_rope_to_cache_is_the_separate_kernels_in_one(dtype, offset, rot, gated):
+    """Norm and rotary of q and k plus the K/V write in one launch: q, the key and value caches
+    bit for bit what norm_rope twice and write_kv leave; slots no row names keep their values.
+    Qwen3's layout (full rotary) and Qwen3.5's (gate after each query head, partial rotary)."""
+    from metrale.workers.models.layers import RMSNorm, Rotary
+    if DEVICE == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter mishandles bfloat16")
+    g = torch.Generator(DEVICE).manual_seed(rot)
+    rows, heads, kv_heads, dim, blocks, page = 5, 4, 2, 64, 4, 4
+    q_norm, k_norm = (RMSNorm(dim, 1e-6, offset).to(DEVICE, dtype) for _ in range(2))
+    with torch.no_grad():
+        q_norm.weight.normal_(generator=g)
+        k_norm.weight.normal_(generator=g)
+    q_width = heads * dim * (2 if gated else 1)
+    qkv = torch.randn(rows, q_width + 2 * kv_heads * dim, generator=g, device=DEVICE).to(dtype)
+    q = qkv[:, :q_width].view(rows, heads, -1)[..., :dim]
+    k = qkv[:, q_width:q_width + kv_heads * dim].view(rows, kv_heads, dim)
+    v = qkv[:, q_width + kv_heads * dim:].view(rows, kv_heads, dim)
+    cos, sin = Rotary(rot, 10000.0).to(DEVICE).cos_sin(torch.arange(7, 7 + rows, device=DEVICE),
+                                                       dtype)
+    slots = torch.randperm(blocks * page, generator=g, device=DEVICE)[:rows]
+    k_cache, v_cache = (torch.randn(blocks, page, kv_heads, dim, generator=g, device=DEVICE)
+                        .to(dtype) for _ in range(2))
+    ref_k, ref_v, before_k = k_cache.clone(), v_cache.clone(), k_cache.clone()
+    with torch.inference_mode():
+        ref_q = q_norm.fused_rope(q, cos, sin)
+        kernels.write_kv(k_norm.fused_rope(k, cos, sin), v, ref_k, ref_v, slots)
+        out = kernels.qk_norm_rope_to_cache(q, k, v, q_norm.weight, k_norm.weight, 1e-6, offset,
+                                            cos, sin, k_cache, v_cache, slots)
+        torch_q = Rotary.apply(q_norm(q), cos, sin)
+    assert torch.equal(out, ref_q) and torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert rel_err(out, torch_q) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert not torch.equal(k_cache, before_k)   # the rows were written
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gated_rms_norm_matches_the_module(dtype):
     """Heads of 48 features (padded in the kernel), x and the gate read as views of wider rows."""

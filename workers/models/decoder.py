@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from metrale.workers.batch import ForwardBatch
 from metrale.workers.kv_cache import PagedKVCache
+from metrale.workers.models import kernels
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.models.gated_deltanet import GatedDeltaNet
 from metrale.workers.models.layers import MLP, RMSNorm, Rotary, paged_attention
@@ -44,8 +44,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         rows = x.shape[0]
-        if batch.backend == "triton" and hasattr(self, "qkv"):
-            q, gate, k, v = self._fused_qkv(x, cos_sin)
+        if batch.backend == "triton" and hasattr(self, "qkv") and kv is not None:
+            q, gate = self._fused_qkv_to_cache(x, cos_sin, batch, kv)
+            out = kernels.paged_attention(q, kv.k[self.kv_index], kv.v[self.kv_index],
+                                          batch.block_tables, batch.q_start, batch.q_len,
+                                          batch.context_lens, batch.max_q_len,
+                                          self.head_dim ** -0.5)
         else:
             q = self.q_proj(x).view(rows, self.heads, -1)
             if self.gated:  # per head: [query | gate]
@@ -54,24 +58,27 @@ class Attention(nn.Module):
             k = Rotary.apply(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)),
                              *cos_sin)
             v = self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv, self.kv_index, batch, self.head_dim ** -0.5)
+            out = paged_attention(q, k, v, kv, self.kv_index, batch, self.head_dim ** -0.5)
         out = out.reshape(rows, -1)
         if self.gated:
             out = out * torch.sigmoid(gate.reshape(rows, -1))
         return self.o_proj(out)
 
-    def _fused_qkv(self, x, cos_sin):
-        """q, gate (None unless gated), k, v from one GEMM; norm and rotary in one kernel each."""
+    def _fused_qkv_to_cache(self, x, cos_sin, batch: ForwardBatch, kv: PagedKVCache):
+        """q and gate (None unless gated) from one GEMM; norm and rotary of q and k, and the K/V
+        cache write, in one kernel."""
         rows, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, self.qkv)
+        qkv = kernels.linear(x, self.qkv)
         q_width = self.heads * d * (2 if self.gated else 1)
         q = qkv[:, :q_width].view(rows, self.heads, -1)
         k = qkv[:, q_width:q_width + self.kv_heads * d].view(rows, self.kv_heads, d)
         v = qkv[:, q_width + self.kv_heads * d:].view(rows, self.kv_heads, d)
         gate = q[..., d:] if self.gated else None
-        cos, sin = cos_sin
-        return (self.q_norm.fused_rope(q[..., :d], cos, sin), gate,
-                self.k_norm.fused_rope(k, cos, sin), v)
+        q = kernels.qk_norm_rope_to_cache(
+            q[..., :d], k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            self.q_norm.offset, *cos_sin, kv.k[self.kv_index], kv.v[self.kv_index],
+            batch.slot_mapping)
+        return q, gate
 
 
 class DecoderLayer(nn.Module):
@@ -90,15 +97,29 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos_sin, batch, kv, ssm):
         fused = batch.backend == "triton"
         h = self.input_layernorm.fused(x) if fused else self.input_layernorm(x)
-        if hasattr(self, "linear_attn"):
-            h = self.linear_attn(h, batch, ssm)
-        else:
-            h = self.self_attn(h, cos_sin, batch, kv)
+        h = self._mixer(h, cos_sin, batch, kv, ssm)
         if fused:   # the residual add and the norm in one kernel
             h, x = self.post_attention_layernorm.fused(h, residual=x)
             return x + self.mlp(h, fused=True)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_deferred(self, x, pending, cos_sin, batch, kv, ssm):
+        """The Triton path with the residual add left pending: the layer's output is x + pending,
+        and the previous layer's `pending` (None before the first layer) is added inside this
+        layer's input norm, so no layer runs an add of its own. Returns (x, pending)."""
+        if pending is None:
+            h = self.input_layernorm.fused(x)
+        else:
+            h, x = self.input_layernorm.fused(pending, residual=x)
+        h = self._mixer(h, cos_sin, batch, kv, ssm)
+        h, x = self.post_attention_layernorm.fused(h, residual=x)
+        return x, self.mlp(h, fused=True)
+
+    def _mixer(self, h, cos_sin, batch, kv, ssm):
+        if hasattr(self, "linear_attn"):
+            return self.linear_attn(h, batch, ssm)
+        return self.self_attn(h, cos_sin, batch, kv)
 
 
 class DecoderModel(nn.Module):
@@ -162,6 +183,13 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
         captured = {}
+        if batch.backend == "triton":   # each layer's residual add runs in the next one's norm
+            pending = None
+            for i, layer in enumerate(self.model.layers[:num_layers]):
+                x, pending = layer.forward_deferred(x, pending, cos_sin, batch, kv, ssm)
+                if i in capture:
+                    captured[i] = x + pending
+            return (x + pending if pending is not None else x), [captured[i] for i in capture]
         for i, layer in enumerate(self.model.layers[:num_layers]):
             x = layer(x, cos_sin, batch, kv, ssm)
             if i in capture:

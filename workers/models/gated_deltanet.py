@@ -108,7 +108,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: SSMSlotPool) -> torch.Tensor:
         n_rows = x.shape[0]
         if batch.backend == "triton" and hasattr(self, "in_proj"):   # one GEMM for all four
-            mixed, z, b, a = F.linear(x, self.in_proj).split(
+            mixed, z, b, a = kernels.linear(x, self.in_proj).split(
                 [2 * self.key_dim + self.value_dim, self.value_dim, self.num_v_heads,
                  self.num_v_heads], dim=-1)
         else:

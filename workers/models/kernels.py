@@ -13,6 +13,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -250,19 +251,17 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh,
-                          eps, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, OFFSET: tl.constexpr):
-        """One head of one row: RMSNorm over the head, then rotary on its first ROT features."""
-        row, head = tl.program_id(0), tl.program_id(1)
+    def _norm_rope(base, w_ptr, cos_ptr, sin_ptr, row, eps, dtype: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, ROT: tl.constexpr, OFFSET: tl.constexpr):
+        """The HEAD_DIM features at `base`: RMSNorm over them, then rotary on the first ROT,
+        rounding where the torch modules round."""
         d = tl.arange(0, HEAD_DIM)
         half = ROT // 2
         partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
-        base = x_ptr + row * stride_xt + head * stride_xh
         x = tl.load(base + d).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x) / HEAD_DIM + eps)
         xp = tl.load(base + partner).to(tl.float32)
         w, wp = tl.load(w_ptr + d).to(tl.float32), tl.load(w_ptr + partner).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty
         if OFFSET:
             y, yp = (x * r * (1.0 + w)).to(dtype), (xp * r * (1.0 + wp)).to(dtype)
         else:
@@ -273,8 +272,58 @@ if triton is not None:
         rotated = tl.where(d < half, -yp.to(tl.float32), yp.to(tl.float32))
         a = (y.to(tl.float32) * c).to(dtype).to(tl.float32)
         b = (rotated * s).to(dtype).to(tl.float32)
-        out = tl.where(d < ROT, (a + b).to(dtype), y)
-        tl.store(out_ptr + (row * heads + head) * HEAD_DIM + d, out)
+        return tl.where(d < ROT, (a + b).to(dtype), y)
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh,
+                          eps, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, OFFSET: tl.constexpr):
+        """One head of one row: RMSNorm over the head, then rotary on its first ROT features."""
+        row, head = tl.program_id(0), tl.program_id(1)
+        out = _norm_rope(x_ptr + row * stride_xt + head * stride_xh, w_ptr, cos_ptr, sin_ptr, row,
+                         eps, out_ptr.dtype.element_ty, HEAD_DIM, ROT, OFFSET)
+        tl.store(out_ptr + (row * heads + head) * HEAD_DIM + tl.arange(0, HEAD_DIM), out)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr,
+                             k_cache_ptr, v_cache_ptr, slots_ptr, heads, stride_qt, stride_qh,
+                             stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs,
+                             stride_ch, eps, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
+                             OFFSET: tl.constexpr, PAGE: tl.constexpr):
+        """One head of one row. Query heads (the first `heads`): norm and rotary into q_out. Key
+        heads after them: norm and rotary into the key cache at the row's slot, and the value
+        head copied into the value cache there."""
+        row, head = tl.program_id(0), tl.program_id(1)
+        d = tl.arange(0, HEAD_DIM)
+        if head < heads:
+            out = _norm_rope(q_ptr + row * stride_qt + head * stride_qh, qw_ptr, cos_ptr, sin_ptr,
+                             row, eps, q_out_ptr.dtype.element_ty, HEAD_DIM, ROT, OFFSET)
+            tl.store(q_out_ptr + (row * heads + head) * HEAD_DIM + d, out)
+        else:
+            h = head - heads
+            slot = tl.load(slots_ptr + row)
+            dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
+            key = _norm_rope(k_ptr + row * stride_kt + h * stride_kh, kw_ptr, cos_ptr, sin_ptr,
+                             row, eps, k_ptr.dtype.element_ty, HEAD_DIM, ROT, OFFSET)
+            tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty))
+            value = tl.load(v_ptr + row * stride_vt + h * stride_vh + d)
+            tl.store(v_cache_ptr + dst, value.to(v_cache_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, out_ptr, n_out, n_in, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """BLOCK_N outputs of one row: x [n_in] times BLOCK_N contiguous rows of w [n_out, n_in],
+        accumulated in float32 over BLOCK_K-wide stretches and summed at the end."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < n_out
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for start in range(0, n_in, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < n_in
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + n[:, None] * n_in + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(out_ptr + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
@@ -362,6 +411,8 @@ if triton is not None:
 # up to MAX_SPLITS ranges, so a small batch (decode, verify) still spreads over the whole GPU.
 PROGRAMS_PER_SM, MAX_SPLITS = 2, 32
 INTERPRETER_SMS = 132   # an H100/H200, so that tests under the interpreter take the GPU's paths
+GEMV_ROWS, GEMV_BLOCK = 2, 1024   # weight rows per gemv program, features per stretch (fastest
+                                  # on the H200 at Qwen3-8B's shapes, scratch sweep 2026-12-01)
 
 
 @functools.cache
@@ -510,6 +561,52 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
                                      x.stride(0), x.stride(1), eps, HEAD_DIM=dim,
                                      ROT=cos.shape[-1], OFFSET=offset, num_warps=1)
     return out
+
+
+def qk_norm_rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                          offset: bool, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """What norm_rope of q and of k, then write_kv, compute, in one launch: q [T, heads, D]
+    and k, v [T, kv_heads, D] (views of the fused projection: rows and heads may be strided);
+    k normed and rotated, and v, go to slot slot_mapping[t] of one layer's pages. Returns the
+    normed, rotated q, contiguous."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and dim == _pow2(dim)
+    assert k_cache.stride() == v_cache.stride()
+    out = torch.empty(rows, heads, dim, dtype=q.dtype, device=q.device)
+    _qk_norm_rope_kernel[(rows, heads + kv_heads)](
+        q, k, v, q_weight, k_weight, cos.contiguous(), sin.contiguous(), out, k_cache, v_cache,
+        slot_mapping, heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        HEAD_DIM=dim, ROT=cos.shape[-1], OFFSET=offset, PAGE=k_cache.shape[1], num_warps=1)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, n_in] (features contiguous) times weight [n_out, n_in] (contiguous) transposed:
+    [1, n_out] in x's dtype, what F.linear computes, rounded once from float32 sums."""
+    n_out, n_in = weight.shape
+    out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n_out, GEMV_ROWS),)](
+        x, weight, out, n_out, n_in, BLOCK_N=GEMV_ROWS, BLOCK_K=min(GEMV_BLOCK, _pow2(n_in)),
+        num_warps=4, num_stages=1)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear, except that one row (a decode step of one sequence) on a device the kernels
+    run on goes through gemv: the weights stream at close to the copy bandwidth, where cuBLAS's
+    kernels for one row reached 75-95% of it (and add a split-K reduction for some shapes).
+    Outside inference (autograd on) it is always F.linear."""
+    if (bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+            and weight.is_contiguous() and weight.dtype == x.dtype and runs_on(x.device)
+            and not torch.is_grad_enabled()):   # no backward: inference only
+        return gemv(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

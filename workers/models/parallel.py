@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.workers.models import kernels
 from metrale.workers.models.config import ModelConfig
 from metrale.workers.parallel import ParallelError, TensorParallel
 
@@ -77,6 +78,9 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, sum(tp.split(n) for n in sections), bias=bias)
         self.shards = {"weight": Shard(0, sections)} | ({"bias": Shard(0, sections)} if bias else {})
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """Input features split: the ranks' partial products are summed, then the bias is added once."""
@@ -88,7 +92,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
+            return kernels.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
@@ -123,5 +127,5 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
+            return kernels.linear(x, self.weight)
         return self.tp.all_gather(super().forward(x))[..., :self.vocab_size]
