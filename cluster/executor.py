@@ -30,16 +30,22 @@ class WorkerExecutor(Protocol):
 class LocalExecutor:
     """A worker in this process. Steps run on the worker's own thread, so the event loop keeps
     streaming and admitting while the model computes, two workers' steps overlap, and one
-    worker's plans run one at a time in the order they were sent (as an actor runs them)."""
+    worker's plans run one at a time in the order they were sent (as an actor runs them). A
+    step left in flight on the device (`Worker.launch`) is read on a second thread, so the
+    worker's thread launches the next plan meanwhile."""
 
     def __init__(self, worker):
         self.worker = worker
         self.capacity: WorkerCapacity = worker.capacity
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="metrale-worker")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="metrale-reader")
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._thread, self.worker.execute, plan)
+        loop = asyncio.get_running_loop()
+        step = await loop.run_in_executor(self._thread, self.worker.launch, plan)
+        if step.read:   # it ran to its end at launch
+            return step.result()
+        return await loop.run_in_executor(self._reader, step.result)
 
     async def ping(self) -> None:
         pass

@@ -155,7 +155,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     sched.stats = SpecStats()
     full = None   # (tokens, seconds) when the batch first shrank
     steps, start = 0, time.perf_counter()
-    while sched.has_work:
+    while llm.has_work:
         llm.step()
         steps += 1
         if full is None and len(sched.running) < len(prompts):
@@ -189,7 +189,7 @@ def steady_run(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int) 
         ids = [llm.add_request(p, params) for p in prompts]
         sched.stats = SpecStats()
         steps, start = 0, time.perf_counter()
-        while sched.has_work:
+        while llm.has_work:
             llm.step()
             steps += 1
         wall = time.perf_counter() - start

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +113,9 @@ class LLM:
                             drafts_per_round(num_drafts, capacity), adaptive_drafts),
             capacity, self.tokenizer)
         self._ids = itertools.count()
+        self._pipelined = (isinstance(self.worker, Worker) and capacity.graphs
+                           and self.scheduler.plans_ahead)
+        self._flying: deque = deque()   # (plan, InFlight) launched, oldest first
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks (nothing to do for a worker in this process)."""
@@ -134,14 +138,38 @@ class LLM:
         self.scheduler.add_request(request_id, ids, params)
         return request_id
 
+    @property
+    def has_work(self) -> bool:
+        """Requests not finished, or steps still launched."""
+        return self.scheduler.has_work or bool(self._flying)
+
     def step(self) -> list[Sequence]:
-        """One scheduler plan executed on the worker; returns sequences that got a token."""
-        plan = self.scheduler.schedule()
+        """One scheduler plan executed on the worker; returns sequences that got a token. On a
+        worker that replays CUDA graphs, plain decoding keeps two steps launched: the next is
+        planned ahead (its tokens are those the step before samples, taken on the device) and
+        launched before the host reads the tokens of the one before, so the scheduler's work
+        overlaps the device's (see `Worker.launch`)."""
+        if not self._pipelined:
+            plan = self.scheduler.schedule()
+            try:
+                result = self.worker.execute(plan)
+            except BaseException:
+                self.scheduler.forget(plan)   # its sequences may be planned again
+                raise
+            return self.scheduler.update(plan, result)
         try:
-            result = self.worker.execute(plan)
+            while len(self._flying) < 2 and (plan := self.scheduler.schedule()).work:
+                self._flying.append((plan, self.worker.launch(plan)))
+            if not self._flying:
+                return self.scheduler.update(plan, self.worker.execute(plan))   # no work
+            plan, launched = self._flying[0]
+            result = launched.result()
         except BaseException:
-            self.scheduler.forget(plan)   # its sequences may be planned again
+            for plan, _ in self._flying:
+                self.scheduler.forget(plan)
+            self._flying.clear()
             raise
+        self._flying.popleft()
         return self.scheduler.update(plan, result)
 
     def generate(self, prompts: list[str | list[int]] | str,
@@ -162,7 +190,7 @@ class LLM:
                 self.scheduler.add_request(request_id, ids, p)
             except RequestError as e:
                 outputs[request_id].error = str(e)
-        while self.scheduler.has_work:
+        while self.has_work:
             self.step()
         for request_id in order:
             if outputs[request_id].error is None:

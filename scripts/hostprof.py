@@ -55,7 +55,7 @@ def profile(spec: str, prompts) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        while s.has_work:
+        while llm.has_work:
             llm.step()
             steps += 1
         wall = (time.perf_counter() - start) * 1e3

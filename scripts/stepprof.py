@@ -88,7 +88,7 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
         eager.clear()
         seqs = [s for i in ids for s in sched.by_request[i]]
         steps, ks, trace = [], [], []      # trace: (sequences running, tokens emitted) per step
-        while sched.has_work:
+        while llm.has_work:
             running, before = len(sched.running), sum(len(s.output_ids) for s in seqs)
             start = time.perf_counter()
             llm.step()

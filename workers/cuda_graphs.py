@@ -95,10 +95,12 @@ class GraphRunner:
                 and layout.tables.shape[1] <= self.width)
 
     @torch.inference_mode()
-    def run(self, layout: RowsLayout, patch=None) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                          torch.Tensor]:
+    def run(self, layout: RowsLayout, patch=None, keep_hidden: bool = True
+            ) -> tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor]:
         """Hidden rows, captured layers and float32 logits of every row of an eligible step;
-        `patch(ids)` edits the input ids on the device (drafts still there) before the replay."""
+        `patch(ids)` edits the input ids on the device (drafts or tokens still there) before the
+        replay. The logits are the shared output buffer, valid until the next replay; the hidden
+        rows are copied out of it unless `keep_hidden` is False (then None)."""
         n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
         if self.ssm is not None:
             self.ssm.check_verify(layout.seqs)
@@ -112,6 +114,8 @@ class GraphRunner:
             patch(self.inputs[0][:n * length])
         graph.replay()
         rows = n * length
+        if not keep_hidden:
+            return None, [], logits[:rows]
         return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]
 
     def _views(self, bucket: int, length: int, width: int, tensors: list[torch.Tensor]):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,6 +69,37 @@ class DeviceDrafts:
         for i, w in enumerate(self.works):
             drafts[w.seq_id] = values[n + i * width:n + i * width + w.num_drafts]
         return None if best is None else values[:n]
+
+
+FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
+
+
+class InFlight:
+    """A step launched on the device whose tokens the host has not read yet (`Worker.launch`).
+    `result()` reads them, and every step launched before, in the order launched; a step that
+    ran to its end at launch holds its result already."""
+
+    def __init__(self, worker: "Worker | None", work: list[SeqWork] = (), best=None, host=None,
+                 done=None, start: float = 0.0, result: StepResult | None = None):
+        # best: the argmaxes on the device; host: their pinned copy, valid once `done` has passed
+        self.worker, self.work, self.best, self.host = worker, work, best, host
+        self.done, self.start = done, start
+        self.rows = {w.seq_id: i for i, w in enumerate(work)}   # one row a sequence
+        self._result = result
+
+    @classmethod
+    def finished(cls, result: StepResult) -> "InFlight":
+        return cls(None, result=result)
+
+    @property
+    def read(self) -> bool:
+        """Whether its result is on the host (result() returns without waiting)."""
+        return self._result is not None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self.worker._read_flights(self)
+        return self._result
 
 
 @dataclass(frozen=True)
@@ -168,6 +201,12 @@ class Worker:
         self.prompt_len = [0] * slots
         self.stats = SpecStats()
         self._sampled: dict[int, int] = {}   # seq id -> the token its latest step sampled
+        self._flying: deque[InFlight] = deque()   # launched, tokens not read yet, oldest first
+        self._flights = threading.RLock()   # launches and reads may come from two threads
+        # pinned landing rows for the argmaxes of steps in flight, used in turn
+        self._landing = ([torch.empty(slots, dtype=torch.long, pin_memory=True)
+                          for _ in range(FLIGHTS)] if self.use_graphs else [])
+        self._launches = 0
         self.graphs = GraphRunner(
             self.model, self.kv, self.ssm, slots, config.max_drafts + 1 if p else 1,
             -(-cfg.max_position_embeddings // config.block_size),
@@ -238,6 +277,96 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Runs the plan to its end: its result (after those of steps still in flight)."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> InFlight:
+        """Starts the plan's step. A decode step of greedy sequences that replays a CUDA graph
+        returns without waiting for the device: its argmaxes stay there, and a step planned
+        ahead of it takes its rows' tokens from them on the device, so the host plans, lays out
+        and launches the next step while this one runs (one host sync a step, when its tokens
+        are read). Any other step first reads the steps in flight, then runs to its end."""
+        with self._flights:
+            if not plan.prefill and self._flies(plan.work):   # (prefill steps are timed)
+                return self._launch_decode(plan.work)
+        self._read_flights()
+        return InFlight.finished(self._execute(plan))
+
+    def _flies(self, work: list[SeqWork]) -> bool:
+        """Whether a step may run without a host sync: plain greedy decoding of every sequence
+        on the graph path (no drafts, logprobs or masks, one rank, no proposer to feed)."""
+        return (self.graphs is not None and self.proposer is None and self.tp.size == 1
+                and bool(work) and all(
+                    len(w.tokens) == 1 and w.num_drafts == 0 and w.sample is not None
+                    and w.sample.greedy and w.sample.logprobs is None and w.grammar is None
+                    and w.constraint is None and len(w.block_table) <= self.graphs.width
+                    for w in work)
+                and self.graphs.bucket(len(work)) is not None)
+
+    def _launch_decode(self, work: list[SeqWork]) -> InFlight:
+        """Lays out, fills and replays a decode step; the rows planned ahead of a step still in
+        flight get their tokens from its argmaxes on the device."""
+        start = time.perf_counter()
+        before = self._flying[-1] if self._flying else None
+        if before is None:
+            work = self._fill_ahead(work)
+            patch = None
+        else:
+            ahead = [(i, w.seq_id) for i, w in enumerate(work) if w.tokens[0] == AHEAD]
+            missing = [s for _, s in ahead if s not in before.rows]
+            if missing:
+                raise RuntimeError(f"sequences {missing} were planned ahead, but the step before "
+                                   f"samples no token for them")
+            self._sampled = {}
+            patch = None
+            if ahead:
+                index = to_device([[i for i, _ in ahead], [before.rows[s] for _, s in ahead]],
+                                  self.device)
+                source = before.best
+
+                def patch(ids):
+                    ids.index_copy_(0, index[0], source.index_select(0, index[1]))
+        layout = RowsLayout.of([([max(w.tokens[0], 0)], w.context_len, w.block_table, w.slot)
+                                for w in work], self.config.block_size)
+        fresh = [w for w in work if w.context_len == 0]   # one-token prompts
+        for w in fresh:   # (no proposer: the history of a step in flight is not kept)
+            self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
+        if fresh and self.ssm is not None:
+            self.ssm.reset([w.slot for w in fresh])
+        if len(self._flying) == FLIGHTS:   # its landing row is the oldest one's
+            self._read_flights(self._flying[0])
+        _, _, logits = self.graphs.run(layout, patch, keep_hidden=False)
+        best = logits.argmax(-1)
+        host = self._landing[self._launches % FLIGHTS][:len(work)]
+        self._launches += 1
+        host.copy_(best, non_blocking=True)   # a copy in stream order, read on the host later
+        done = torch.cuda.Event()
+        done.record()
+        flight = InFlight(self, work, best, host, done, start)
+        self._flying.append(flight)
+        return flight
+
+    def _read_flights(self, upto: InFlight | None = None) -> None:
+        """Reads the tokens of the steps in flight, oldest first, until `upto` (all of them
+        when None). The wait for the device holds no lock, so a launch may go on meanwhile."""
+        while True:
+            with self._flights:
+                if not self._flying or (upto is not None and upto._result is not None):
+                    return
+                flight = self._flying[0]
+            flight.done.synchronize()   # other threads run while the device computes
+            tokens = flight.host.tolist()   # (the device's argmaxes would wait for later steps)
+            with self._flights:
+                if not self._flying or self._flying[0] is not flight:
+                    continue   # another thread read it meanwhile
+                outcomes = [SeqOutcome(w.seq_id, [t], 0, 0) for w, t in zip(flight.work, tokens)]
+                if self._flying[-1] is flight:   # no launch took these tokens on the device
+                    self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
+                self._flying.popleft()
+                flight._result = StepResult(outcomes, 0.0, time.perf_counter() - flight.start)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         if not plan.work:
             return StepResult()
         start = time.perf_counter()

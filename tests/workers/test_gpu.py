@@ -44,3 +44,67 @@ def test_to_device_copies_from_the_pinned_ring_arrive_intact():
     for i, t in enumerate(sent[:-1]):
         assert t.tolist() == [[i, i + 1], [i * 3, -i]] and t.dtype == torch.long
     assert sent[-1].tolist() == list(range(40000)) and sent[-1].dtype == torch.int32
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_decode_steps_launched_ahead_keep_the_reference_tokens(checkpoint, monkeypatch, name):
+    """On the graph path, plain greedy decoding keeps two steps launched, the second's tokens
+    taken on the device from the first's argmaxes. Prompts of different lengths (one of one
+    token), different max_tokens, a stop token met while a step was planned ahead, and a sampled
+    request (whose steps run to their end) give transformers' tokens, and steps did fly."""
+    from metrale.workers.worker import Worker
+    flights = []
+    launch = Worker._launch_decode
+    monkeypatch.setattr(Worker, "_launch_decode",
+                        lambda self, work: flights.append(len(work)) or launch(self, work))
+    model_dir = checkpoint(name)
+    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=16)
+    assert llm.worker.graphs is not None
+    prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine"]]
+    prompts.append(prompts[0][:1])
+    lengths = [40, 23, 31]
+    refs = [checkpoints.reference_greedy(model_dir, p, n) for p, n in zip(prompts, lengths)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    params[1] = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True,
+                               stop_token_ids=(refs[1][9],))
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, seed=3, ignore_eos=True)
+    outs = llm.generate(prompts + [prompts[1]], params + [sampled])
+    assert outs[0].token_ids == refs[0] and outs[2].token_ids == refs[2]
+    stop = refs[1].index(refs[1][9])
+    assert outs[1].token_ids == refs[1][:stop + 1] and outs[1].finish_reason == "stop"
+    assert len(outs[3].token_ids) == 6
+    assert len(flights) > 20 and not llm.worker._flying
+
+
+def test_an_engine_thread_launches_while_another_reads(checkpoint):
+    """Through the replica engine's in-process executor (a launch thread and a reader thread),
+    requests arriving over time decode to transformers' tokens."""
+    import asyncio
+    from metrale.cluster.engine import ReplicaEngine
+    from metrale.cluster.executor import LocalExecutor
+    from metrale.cluster.scheduler import SchedulerConfig
+    from metrale.deploy.llm import load_tokenizer
+    from metrale.workers.worker import Worker, WorkerConfig
+    model_dir = checkpoint("qwen3_5")
+    worker = Worker(WorkerConfig(str(model_dir), "cuda", "float32", block_size=4))
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(p).ids for p in ["def schedule(self, tokens):", "The café",
+                                                 "x = [1, 2", "import torch"]]
+    refs = [checkpoints.reference_greedy(model_dir, p, 28) for p in prompts]
+
+    async def run():
+        eng = ReplicaEngine([LocalExecutor(worker)], SchedulerConfig(max_num_seqs=8), tokenizer)
+        eng.start()
+
+        async def one(i, ids):
+            await asyncio.sleep(0.02 * i)
+            tokens = []
+            async for d in eng.generate(f"r{i}", ids, SamplingParams(max_tokens=28, temperature=0,
+                                                                      ignore_eos=True)):
+                tokens += d.token_ids
+            return tokens
+        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        await eng.stop()
+        return outs
+    assert asyncio.run(run()) == refs
+    assert not worker._flying
