@@ -342,7 +342,7 @@ class Worker:
         self._launches += 1
         host.copy_(best, non_blocking=True)   # a copy in stream order, read on the host later
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))
         flight = InFlight(self, work, best, host, done, start)
         self._flying.append(flight)
         return flight
