@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="plans the serving worker holds at once (default: the config's, 2 on CPU)")
     p.add_argument("--no-plan-ahead", action="store_true",
                    help="plans in flight split the sequences instead of running them ahead")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where both sides run (cuda: the worker actor takes one GPU)")
     p.add_argument("--cpus", type=int, default=max(1, os.cpu_count() - 1),
                    help="torch threads of the worker in both runs (default: all cores but one, "
                         "which the serving processes need)")
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     warmup = prompts(4, args.prompt_words)
 
     torch.set_num_threads(args.cpus)   # as many threads as the Ray worker gets
-    llm = LLM(args.model, device="cpu")
-    config = MetraleConfig(model=args.model, device="cpu", cpus_per_worker=args.cpus,
+    llm = LLM(args.model, device=args.device)
+    config = MetraleConfig(model=args.model, device=args.device, cpus_per_worker=args.cpus,
                            port=args.port, steps_in_flight=args.steps_in_flight,
                            plan_ahead=not args.no_plan_ahead)
     ray.init(namespace=NAMESPACE, num_cpus=max(args.cpus, os.cpu_count()), log_to_driver=False,
@@ -113,8 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.shutdown()
     ray.shutdown()
 
-    print(f"model {args.model}; {args.rounds} requests per client of {args.max_tokens} tokens, "
-          f"greedy; HTTP {'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
+    print(f"model {args.model} on {args.device}; {args.rounds} requests per client of "
+          f"{args.max_tokens} tokens, greedy; HTTP "
+          f"{'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
           f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}"
           f"{' (split, not ahead)' if args.no_plan_ahead else ''}; "
           f"{args.repeat} pairs per concurrency")
