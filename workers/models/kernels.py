@@ -341,6 +341,7 @@ if triton is not None:
     def _conv_input(window_ptr, rows_ptr, stride_t, pos, c, ok, KM1: tl.constexpr):
         """Channels c of input `pos` of one sequence's conv inputs: its K-1 window inputs, then
         its rows (at stride_t), in the window's dtype."""
+        pos = c * 0 + pos   # a block: the interpreter (Triton 3.9) takes only block masks
         old = tl.load(window_ptr + c * KM1 + pos, mask=ok & (pos < KM1), other=0.0)
         new = tl.load(rows_ptr + (pos - KM1) * stride_t + c, mask=ok & (pos >= KM1), other=0.0)
         return tl.where(pos < KM1, old, new.to(window_ptr.dtype.element_ty))
