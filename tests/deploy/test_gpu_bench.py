@@ -59,6 +59,10 @@ def test_bench_small_on_cpu(tmp_path, capsys):
         assert m["hf_generate"]["1"]["tokens_per_s"] > 0
     targets = {t["target"]: t for t in report["targets"]}
     assert len(targets) == 13
+    for name, m in report["models"].items():
+        detail = targets[f"metrale / transformers generate tokens/s, batch 1, {name}"]["detail"]
+        at_floor = m["floor"]["tokens_per_s_batch1"] / m["hf_generate"]["1"]["tokens_per_s"]
+        assert detail.endswith(f"; {at_floor:.1f}x at the floor")
     assert targets["speculative / plain tokens/s, batch 32, bundled"]["result"] == "n/a"
     assert all(t["result"] in ("PASS", "MISS") for name, t in targets.items() if "32" not in name)
     printed = capsys.readouterr().out
@@ -75,6 +79,18 @@ def test_bench_small_on_cpu(tmp_path, capsys):
     merged = json.loads((again / "bench.json").read_text())["models"]
     assert set(merged) == {"bundled", "qwen3-8b", "qwen3.5-2b"}
     assert set(merged["qwen3-8b"]["engine"]["none"]) == {"1"} and "forward" not in merged["qwen3-8b"]
+
+
+def test_the_transformers_target_says_what_the_floor_allows():
+    """Plain decoding can not beat the bandwidth floor, so the target's detail gives the ratio a
+    step at the floor would make: on the 8B shape it is below 30x when transformers is fast."""
+    from metrale.deploy.gpubench import targets
+    models = {"qwen3-8b": {"floor": {"floor_ms": 3.706, "tokens_per_s_batch1": 269.8},
+                           "hf_generate": {1: {"tokens_per_s": 10.1}},
+                           "engine": {"none": {1: {"tokens_per_s": 176.1, "ms_per_step": 5.68}}}}}
+    row, = [t for t in targets(models) if "transformers" in t["target"]]
+    assert row["result"] == "MISS" and abs(row["measured"] - 176.1 / 10.1) < 1e-9
+    assert row["detail"] == "none 176.1 vs 10.1 tokens/s; 26.7x at the floor"
 
 
 def test_random_hybrid_checkpoint_loads_in_transformers(tmp_path):
