@@ -26,6 +26,8 @@ class SeqWork:
     next_token: int | None = None  # the token after a prefill chunk that does not sample
     grammar: GrammarSpec | None = None
     constraint: TokenConstraint | None = None
+    steps: int = 1             # decode steps in a row: each after the first runs the token the
+                               # step before sampled (plain decoding; Worker._execute_steps)
 
 
 @dataclass

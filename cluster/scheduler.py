@@ -37,6 +37,7 @@ class SchedulerConfig:
     adaptive_drafts: bool = True        # num_drafts is the most; each round's k is measured best
     steps_in_flight: int | None = None  # per worker; None: 2 (1 on a GPU not planning ahead)
     plan_ahead: bool = True             # without drafts, plan a decode step before the last's result
+    decode_steps: int = 1               # without drafts, decode steps a plan runs in a row
 
 
 class Scheduler:
@@ -62,6 +63,7 @@ class Scheduler:
         # Plain decoding needs no verdict to plan the next step: the worker fills in the token
         # it sampled the step before (AHEAD), so a worker holding two plans runs whole batches.
         self.plans_ahead = config.plan_ahead and not self.num_drafts
+        self.flying_steps: dict[int, list[int]] = {}   # sequence id -> its plans' steps in flight
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
@@ -115,6 +117,7 @@ class Scheduler:
         self.by_request.clear()
         self.waiting.clear()
         self.in_flight.clear()
+        self.flying_steps.clear()
         return requests
 
     def adopt(self, request_id: str, seqs: list[Sequence]) -> None:
@@ -199,6 +202,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         room = max_seqs or self.config.max_num_seqs
         chosen: list[tuple[Sequence, int, int]] = []     # (sequence, rows, drafts)
+        decode_steps: dict[int, int] = {}                # sequence id -> steps in a row
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
@@ -211,18 +215,21 @@ class Scheduler:
                 continue
             n = min(seq.num_pending, budget)
             k = self._drafts_for(seq, k_round, budget - 1) if seq.num_pending == 1 else 0
-            fits = self.blocks.can_append(seq.block_table, seq.num_computed + n + k)
+            steps = self._decode_steps(seq, 0) if seq.num_pending == 1 and not k else 1
+            fits = self.blocks.can_append(seq.block_table, seq.num_computed + n + k + steps - 1)
             while not fits and not prefill_only:
                 # the latest sequence not in flight: a step may still write a flying one's blocks
                 victim = next(s for s in reversed(self.running) if s.seq_id not in self.in_flight)
                 self._preempt(victim)
                 if victim is seq:
                     break
-                fits = self.blocks.can_append(seq.block_table, seq.num_computed + n + k)
+                fits = self.blocks.can_append(seq.block_table,
+                                              seq.num_computed + n + k + steps - 1)
             if not fits:
                 continue
-            self.blocks.append(seq.block_table, seq.num_computed + n + k)
+            self.blocks.append(seq.block_table, seq.num_computed + n + k + steps - 1)
             chosen.append((seq, n, k))
+            decode_steps[seq.seq_id] = steps
             budget -= n + k
         while admit and len(chosen) < room and (start := self._admissible(budget)):
             tokens, cached, n = start
@@ -238,12 +245,24 @@ class Scheduler:
             k_min = min((k for _, n, k in chosen if k), default=0)
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
         pad = self._pad_depth(chosen)
-        work = [self._work(seq, n, k, pad.get(seq.seq_id, 0)) for seq, n, k in chosen]
+        work = [self._work(seq, n, k, pad.get(seq.seq_id, 0), decode_steps.get(seq.seq_id, 1))
+                for seq, n, k in chosen]
         if self.plans_ahead and not prefill_only:
             work += self._ahead(min(room - len(work), budget))
-        for seq, _, _ in chosen:
-            self.in_flight[seq.seq_id] = 1
+        for w in work[:len(chosen)]:
+            self.in_flight[w.seq_id] = 1
+            self.flying_steps[w.seq_id] = [w.steps]
         return work
+
+    def _decode_steps(self, seq: Sequence, flying: int) -> int:
+        """Decode steps in a row for a plan of the sequence after `flying` tokens in flight:
+        `decode_steps` where nothing needs a verdict, a mask or logprobs between them, within
+        what it may still emit."""
+        p = self.config.decode_steps
+        if p == 1 or self.num_drafts or seq.params.grammar is not None \
+                or seq.params.constraint is not None or seq.params.logprobs is not None:
+            return 1
+        return max(1, min(p, self._tokens_left(seq) - flying))
 
     def _admissible(self, budget: int) -> tuple[list[int], list[int], int] | None:
         """When the first waiting request can start now with at most `budget` rows: its tokens,
@@ -270,16 +289,22 @@ class Scheduler:
         for seq in self.running:
             if len(work) == room:
                 break
-            if (self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1
-                    or seq.params.grammar is not None or seq.params.constraint is not None
-                    or self._tokens_left(seq) <= 1
-                    or not self.blocks.can_append(seq.block_table, seq.num_tokens + 1)):
+            if self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1:
                 continue
-            self.blocks.append(seq.block_table, seq.num_tokens + 1)
+            flying = self.flying_steps[seq.seq_id][0]   # tokens its step in flight samples
+            steps = self._decode_steps(seq, flying)
+            end = seq.num_tokens + flying - 1 + steps
+            if (seq.params.grammar is not None or seq.params.constraint is not None
+                    or self._tokens_left(seq) <= flying
+                    or not self.blocks.can_append(seq.block_table, end)):
+                continue
+            self.blocks.append(seq.block_table, end)
             self.in_flight[seq.seq_id] = 2
-            work.append(SeqWork(seq.seq_id, [AHEAD], seq.num_tokens, list(seq.block_table),
-                                seq.slot, self._sampling(seq, len(seq.output_ids) + 1),
-                                prompt_len=len(seq.prompt_ids)))
+            self.flying_steps[seq.seq_id].append(steps)
+            work.append(SeqWork(seq.seq_id, [AHEAD], seq.num_tokens + flying - 1,
+                                list(seq.block_table), seq.slot,
+                                self._sampling(seq, len(seq.output_ids) + flying),
+                                prompt_len=len(seq.prompt_ids), steps=steps))
         return work
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
@@ -294,7 +319,7 @@ class Scheduler:
                 continue
             outcome = outcomes.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
-            seq.num_computed = w.context_len + len(w.tokens) + accepted
+            seq.num_computed = w.context_len + max(len(w.tokens), w.steps) + accepted
             self._publish(seq)
             if outcome is None:
                 continue
@@ -314,6 +339,11 @@ class Scheduler:
             left = self.in_flight.pop(w.seq_id, 0) - 1
             if left > 0:
                 self.in_flight[w.seq_id] = left
+            steps = self.flying_steps.get(w.seq_id)
+            if steps:
+                steps.pop(0)
+                if not steps:
+                    del self.flying_steps[w.seq_id]
 
     # -- internals --------------------------------------------------------------------------
 
@@ -351,7 +381,7 @@ class Scheduler:
                 pad[seq.seq_id] = depth
         return pad
 
-    def _work(self, seq: Sequence, n: int, k: int, pad_to: int = 0) -> SeqWork:
+    def _work(self, seq: Sequence, n: int, k: int, pad_to: int = 0, steps: int = 1) -> SeqWork:
         start = seq.num_computed
         samples = start + n == seq.num_tokens
         p = seq.params
@@ -360,7 +390,7 @@ class Scheduler:
                        list(seq.block_table), seq.slot, spec, prompt_len=len(seq.prompt_ids),
                        num_drafts=k, pad_to=pad_to,
                        next_token=None if samples else seq.tokens_between(start + n, start + n + 1)[0],
-                       grammar=p.grammar, constraint=p.constraint)
+                       grammar=p.grammar, constraint=p.constraint, steps=steps)
 
     @staticmethod
     def _sampling(seq: Sequence, draw: int) -> SamplingSpec:

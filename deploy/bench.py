@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="plans the serving worker holds at once (default: the config's, 2 on CPU)")
     p.add_argument("--no-plan-ahead", action="store_true",
                    help="plans in flight split the sequences instead of running them ahead")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="decode steps a plan runs in a row, on both sides (the config's "
+                        "decode_steps)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where both sides run (cuda: the worker actor takes one GPU)")
     p.add_argument("--cpus", type=int, default=max(1, os.cpu_count() - 1),
@@ -94,10 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     warmup = prompts(4, args.prompt_words)
 
     torch.set_num_threads(args.cpus)   # as many threads as the Ray worker gets
-    llm = LLM(args.model, device=args.device)
+    llm = LLM(args.model, device=args.device, decode_steps=args.decode_steps)
     config = MetraleConfig(model=args.model, device=args.device, cpus_per_worker=args.cpus,
                            port=args.port, steps_in_flight=args.steps_in_flight,
-                           plan_ahead=not args.no_plan_ahead)
+                           plan_ahead=not args.no_plan_ahead, decode_steps=args.decode_steps)
     ray.init(namespace=NAMESPACE, num_cpus=max(args.cpus, os.cpu_count()), log_to_driver=False,
              include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
           f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}"
           f"{' (split, not ahead)' if args.no_plan_ahead else ''}; "
+          f"{args.decode_steps} decode step(s) a plan; "
           f"{args.repeat} pairs per concurrency")
     print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}  "
           f"pairs' ratios")

@@ -84,6 +84,9 @@ class MetraleConfig(BaseModel):
     plan_ahead: bool = Field(True, description="Without drafts, plan a sequence's next decode step "
                              "before the current one's result; the worker fills in the token it "
                              "sampled. Off: plans in flight split the sequences.")
+    decode_steps: int = Field(1, ge=1, le=16, description="Without drafts, decode steps a plan "
+                              "runs in a row, so the scheduler and the worker exchange a plan "
+                              "every that many tokens; tokens then stream that many at a time.")
 
     # -- the cluster
     replicas: int = Field(1, ge=1, description="Model replicas (data parallel); each has its own "
@@ -191,7 +194,7 @@ class MetraleConfig(BaseModel):
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                self.prefix_caching, adaptive_drafts=self.adaptive_drafts,
                                steps_in_flight=self.steps_in_flight,
-                               plan_ahead=self.plan_ahead)
+                               plan_ahead=self.plan_ahead, decode_steps=self.decode_steps)
 
     def replica_spec(self, cluster_gpus: float) -> ReplicaSpec:
         gpus = self.gpus_per_worker if self.gpus_per_worker is not None else float(cluster_gpus > 0)

@@ -86,13 +86,14 @@ class LLM:
                  prefix_caching: bool = True, speculative_method: str = "none",
                  num_drafts: int | None = None, adaptive_drafts: bool = True,
                  drafter: str | Path | None = None, tensor_parallel_size: int = 1,
-                 **worker_options):
+                 decode_steps: int = 1, **worker_options):
         """`worker_options` are further WorkerConfig fields (verify_pool_bytes, max_drafts,
         mtp_confidence_threshold, self_spec_layers, dflash_window, ngram_min, ngram_max, ...).
         With `tensor_parallel_size` N > 1 the model is split over N Ray actors (a local Ray is
         started when this process is not connected to one); `close()` stops them.
         `num_drafts` is the most drafts a round carries; with `adaptive_drafts` each round takes
-        the k (0 included) with the most measured tokens per second, else always `num_drafts`."""
+        the k (0 included) with the most measured tokens per second, else always `num_drafts`.
+        Without drafts, each plan runs `decode_steps` decode steps in a row."""
         self.tokenizer = load_tokenizer(model)
         self.chat_template = read_chat_template(model)
         if num_drafts is not None:
@@ -110,7 +111,8 @@ class LLM:
         capacity = self.worker.capacity
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching,
-                            drafts_per_round(num_drafts, capacity), adaptive_drafts),
+                            drafts_per_round(num_drafts, capacity), adaptive_drafts,
+                            decode_steps=decode_steps),
             capacity, self.tokenizer)
         self._ids = itertools.count()
         self._pipelined = (isinstance(self.worker, Worker) and capacity.graphs

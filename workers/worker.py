@@ -298,7 +298,8 @@ class Worker:
         on the graph path (no drafts, logprobs or masks, one rank, no proposer to feed)."""
         return (self.graphs is not None and self.proposer is None and self.tp.size == 1
                 and bool(work) and all(
-                    len(w.tokens) == 1 and w.num_drafts == 0 and w.sample is not None
+                    len(w.tokens) == 1 and w.num_drafts == 0 and w.steps == 1
+                    and w.sample is not None
                     and w.sample.greedy and w.sample.logprobs is None and w.grammar is None
                     and w.constraint is None and len(w.block_table) <= self.graphs.width
                     for w in work)
@@ -369,6 +370,8 @@ class Worker:
     def _execute(self, plan: StepPlan) -> StepResult:
         if not plan.work:
             return StepResult()
+        if any(w.steps > 1 for w in plan.work):
+            return self._execute_steps(plan)
         start = time.perf_counter()
         work = self._fill_ahead(plan.work)
         self._track_history(work)
@@ -408,6 +411,28 @@ class Worker:
             self.proposer.commit(committed)
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
+
+    def _execute_steps(self, plan: StepPlan) -> StepResult:
+        """A plan of decode steps in a row (`SeqWork.steps`, plain decoding): step i runs every
+        sequence with more than i steps at context_len + i, on the token step i - 1 sampled
+        (AHEAD), drawing its output token number draw + i. One result holds each sequence's
+        tokens of all its steps."""
+        tokens: dict[int, list[int]] = {w.seq_id: [] for w in plan.work}
+        propose_s = forward_s = 0.0
+        for i in range(max(w.steps for w in plan.work)):
+            work = [replace(w, steps=1) if i == 0 else
+                    replace(w, tokens=[AHEAD], context_len=w.context_len + i, steps=1,
+                            sample=replace(w.sample, draw=w.sample.draw + i))
+                    for w in plan.work if w.steps > i]
+            result = self._execute(StepPlan(work, plan.planned_at))
+            for o in result.outcomes:
+                tokens[o.seq_id] += o.tokens
+            propose_s, forward_s = propose_s + result.propose_s, forward_s + result.forward_s
+        # the plan after this one may be planned ahead of any of its sequences, not only of
+        # those in its last step
+        self._sampled = {seq: t[-1] for seq, t in tokens.items() if t}
+        return StepResult([SeqOutcome(seq, t) for seq, t in tokens.items() if t],
+                          propose_s, forward_s)
 
     def _fill_ahead(self, work: list[SeqWork]) -> list[SeqWork]:
         """Rows planned ahead (AHEAD) take the token this worker sampled for their sequence in

@@ -231,11 +231,13 @@ def test_plans_in_flight_hold_disjoint_halves_and_keep_the_output(checkpoint, de
         assert len(ids) <= -(-len(prompts) // depth)
 
 
-def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint):
+@pytest.mark.parametrize("decode_steps", [1, 3])
+def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint, decode_steps):
     """Plain decoding with two plans in flight: the second plan carries the same sequences one
-    token ahead (the worker fills in the token it sampled). Greedy and seeded sampled outputs,
+    plan ahead (the worker fills in the token it sampled). Greedy and seeded sampled outputs,
     n > 1, a stop token hit while a step ahead flies, and max_tokens all come out as `generate`
-    makes them, and every block and slot is free at the end."""
+    makes them one step a plan, also with plans of three decode steps each (fewer where
+    max_tokens leaves fewer), and every block and slot is free at the end."""
     model_dir = checkpoint("qwen3_5")
     config = dict(block_size=4, max_num_seqs=8)
     llm = LLM(model_dir, device="cpu", **config)
@@ -253,7 +255,8 @@ def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint):
 
     async def run():
         executor = RecordingExecutor(Worker(WorkerConfig(str(model_dir), "cpu", **config)))
-        eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8, steps_in_flight=2),
+        eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8, steps_in_flight=2,
+                                                              decode_steps=decode_steps),
                                   None, load_tokenizer(model_dir))
         eng.start()
         outs = await asyncio.gather(*(collect(eng, f"r{i}", ids, params)
@@ -263,14 +266,17 @@ def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint):
     executor, scheduler, outs = asyncio.run(run())
     assert [[c["ids"] for c in o] for o in outs] == expected
     ahead = [{w.seq_id for w in p.work if w.tokens == [AHEAD]} for p in executor.plans]
-    assert sum(map(len, ahead)) > 20   # most decode steps were planned ahead...
+    assert sum(map(len, ahead)) > 20 // decode_steps   # most plans were planned ahead...
     for before, plan, ids in zip(executor.plans, executor.plans[1:], ahead[1:]):
         sampled = {w.seq_id for w in before.work if w.sample}
         assert ids <= sampled and len(plan.work) == len({w.seq_id for w in plan.work})
     assert max(len(p.work) for p in executor.plans) == 5   # ...over whole batches, not halves
+    steps = {w.steps for p in executor.plans for w in p.work}
+    assert steps == ({1} if decode_steps == 1 else {1, 2, 3})   # 1: prompts, and max_tokens=1
     assert scheduler.blocks.num_free == scheduler.blocks.num_blocks
     assert scheduler.slots.num_free == scheduler.capacity.num_slots
     assert not scheduler.in_flight and not scheduler.running and not scheduler.by_request
+    assert not scheduler.flying_steps
 
 
 def test_a_row_planned_ahead_runs_the_token_the_step_before_sampled(checkpoint):
@@ -289,6 +295,37 @@ def test_a_row_planned_ahead_runs_the_token_the_step_before_sampled(checkpoint):
     later = StepPlan([SeqWork(1, [AHEAD], 4, [0, 2], 0, replace(greedy, draw=2))])
     with pytest.raises(RuntimeError, match=r"sequences \[1\] were planned ahead"):
         worker.execute(later)
+
+
+def test_a_plan_of_decode_steps_in_a_row_is_those_steps_one_by_one(checkpoint):
+    """A plan whose sequence runs three decode steps (`SeqWork.steps`) beside one running one:
+    the tokens, and those of a plan ahead of both, are what plans of one step each give."""
+    from metrale.cluster.plan import SeqWork, StepPlan
+    from metrale.workers.sampler import SamplingSpec
+    config = WorkerConfig(str(checkpoint("qwen3_5")), "cpu", block_size=4, max_num_seqs=2)
+    worker, twin = Worker(config), Worker(config)
+    greedy = SamplingSpec(0.0, 1.0, 0, 0.0, 1, 0, None)
+    sampled = SamplingSpec(0.9, 1.0, 0, 0.0, 5, 0)
+    prompts = StepPlan([SeqWork(1, [5, 6, 7], 0, [0, 1], 0, greedy),
+                        SeqWork(2, [8, 9], 0, [2, 3], 1, sampled)])
+    last = {o.seq_id: o.tokens[-1] for o in worker.execute(prompts).outcomes}
+    assert last == {o.seq_id: o.tokens[-1] for o in twin.execute(prompts).outcomes}
+    steps = StepPlan([SeqWork(1, [AHEAD], 3, [0, 1], 0, replace(greedy, draw=1), steps=3),
+                      SeqWork(2, [AHEAD], 2, [2, 3], 1, replace(sampled, draw=1))])
+    ahead = StepPlan([SeqWork(1, [AHEAD], 6, [0, 1], 0, replace(greedy, draw=4)),
+                      SeqWork(2, [AHEAD], 3, [2, 3], 1, replace(sampled, draw=2), steps=2)])
+    got = [{o.seq_id: o.tokens for o in worker.execute(plan).outcomes} for plan in (steps, ahead)]
+    one_by_one = {1: [], 2: []}   # (sequence, position, draw) per plan of one step each
+    for plan in [[(1, 3, 1), (2, 2, 1)], [(1, 4, 2)], [(1, 5, 3)], [(1, 6, 4), (2, 3, 2)],
+                 [(2, 4, 3)]]:
+        work = [SeqWork(seq, [last[seq]], at, [0, 1] if seq == 1 else [2, 3], seq - 1,
+                        replace(greedy if seq == 1 else sampled, draw=draw))
+                for seq, at, draw in plan]
+        for o in twin.execute(StepPlan(work)).outcomes:
+            one_by_one[o.seq_id] += o.tokens
+            last[o.seq_id] = o.tokens[-1]
+    assert [len(got[0][1]), len(got[0][2]), len(got[1][1]), len(got[1][2])] == [3, 1, 1, 2]
+    assert got[0][1] + got[1][1] == one_by_one[1] and got[0][2] + got[1][2] == one_by_one[2]
 
 
 def test_preemption_never_takes_a_sequence_in_flight(checkpoint):
