@@ -70,6 +70,16 @@ def test_steps_in_flight_reaches_the_scheduler_and_is_bounded(tmp_path, checkpoi
             MetraleConfig.validated({"steps_in_flight": bad})
 
 
+def test_decode_steps_reach_the_scheduler_and_are_bounded(tmp_path, checkpoint):
+    path = tmp_path / "steps.yaml"
+    path.write_text(f"model: {checkpoint('qwen3')}\ndecode_steps: 4\n")
+    assert MetraleConfig.from_yaml(path).scheduler_config().decode_steps == 4
+    assert MetraleConfig().scheduler_config().decode_steps == 1
+    for bad in (0, 17):
+        with pytest.raises(ConfigError, match="decode_steps"):
+            MetraleConfig.validated({"decode_steps": bad})
+
+
 def test_cluster_resources_decide_the_worker_device(checkpoint):
     config = MetraleConfig(model=str(checkpoint("qwen3")), workers_per_replica=2)
     on_cpu = config.replica_spec(cluster_gpus=0)
