@@ -98,7 +98,7 @@ class SchedulerActor:
         try:
             engine.add_request(request_id, unpack(list[int], prompt_ids),
                                unpack(SamplingParams, params),
-                               functools.partial(deliver, consumer))
+                               functools.partial(deliver, consumer), streamed=not whole)
         except (RequestError, WireError) as e:
             return "invalid", str(e)
         except Overloaded as e:

@@ -134,16 +134,17 @@ class ReplicaEngine:
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    sink: Callable[[Delta], None]) -> None:
+                    sink: Callable[[Delta], None], streamed: bool = True) -> None:
         """Queues a request on the least-loaded worker. Raises RequestError naming a problem with
-        the request, Overloaded when the replica is full, Unavailable when no worker is left."""
+        the request, Overloaded when the replica is full, Unavailable when no worker is left.
+        A request not `streamed` is read only when it ends (Scheduler.add_request)."""
         if self.max_pending is not None and len(self.streams) >= self.max_pending:
             raise Overloaded(f"over capacity: the replica holds {len(self.streams)} requests; "
                              f"retry later")
         lane = self._least_loaded()
         if lane is None:
             raise Unavailable("no worker is available: every worker of this replica has died")
-        seqs = lane.scheduler.add_request(request_id, prompt_ids, params)
+        seqs = lane.scheduler.add_request(request_id, prompt_ids, params, streamed)
         self.streams[request_id] = (lane, OutputStream(request_id, seqs, sink))
         lane.wake.set()
 

@@ -44,6 +44,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    streamed: bool = True         # its caller reads tokens as they come (not only at the end)
 
     @property
     def tokens(self) -> list[int]:

@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="plans the serving worker holds at once (default: the config's, 2 on CPU)")
     p.add_argument("--no-plan-ahead", action="store_true",
                    help="plans in flight split the sequences instead of running them ahead")
-    p.add_argument("--decode-steps", type=int, default=1,
+    p.add_argument("--decode-steps", type=int, default=None,
                    help="decode steps a plan runs in a row, on both sides (the config's "
-                        "decode_steps)")
+                        "decode_steps; default: its default)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where both sides run (cuda: the worker actor takes one GPU)")
     p.add_argument("--cpus", type=int, default=max(1, os.cpu_count() - 1),
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'streaming' if args.stream else 'non-streaming'}; {args.cpus} torch "
           f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}"
           f"{' (split, not ahead)' if args.no_plan_ahead else ''}; "
-          f"{args.decode_steps} decode step(s) a plan; "
+          f"decode steps a plan: {args.decode_steps or 'default'}; "
           f"{args.repeat} pairs per concurrency")
     print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}  "
           f"pairs' ratios")

@@ -84,9 +84,11 @@ class MetraleConfig(BaseModel):
     plan_ahead: bool = Field(True, description="Without drafts, plan a sequence's next decode step "
                              "before the current one's result; the worker fills in the token it "
                              "sampled. Off: plans in flight split the sequences.")
-    decode_steps: int = Field(1, ge=1, le=16, description="Without drafts, decode steps a plan "
-                              "runs in a row, so the scheduler and the worker exchange a plan "
-                              "every that many tokens; tokens then stream that many at a time.")
+    decode_steps: int | None = Field(None, ge=1, le=16, description="Without drafts, decode "
+                                     "steps a plan runs in a row, so the scheduler and the worker "
+                                     "exchange a plan every that many tokens; tokens then stream "
+                                     "that many at a time. Default: 4 for requests not streamed "
+                                     "on a CPU worker, else 1.")
 
     # -- the cluster
     replicas: int = Field(1, ge=1, description="Model replicas (data parallel); each has its own "

@@ -86,14 +86,15 @@ class LLM:
                  prefix_caching: bool = True, speculative_method: str = "none",
                  num_drafts: int | None = None, adaptive_drafts: bool = True,
                  drafter: str | Path | None = None, tensor_parallel_size: int = 1,
-                 decode_steps: int = 1, **worker_options):
+                 decode_steps: int | None = None, **worker_options):
         """`worker_options` are further WorkerConfig fields (verify_pool_bytes, max_drafts,
         mtp_confidence_threshold, self_spec_layers, dflash_window, ngram_min, ngram_max, ...).
         With `tensor_parallel_size` N > 1 the model is split over N Ray actors (a local Ray is
         started when this process is not connected to one); `close()` stops them.
         `num_drafts` is the most drafts a round carries; with `adaptive_drafts` each round takes
         the k (0 included) with the most measured tokens per second, else always `num_drafts`.
-        Without drafts, each plan runs `decode_steps` decode steps in a row."""
+        Without drafts, each plan runs `decode_steps` decode steps in a row (None: as
+        SchedulerConfig.decode_steps says)."""
         self.tokenizer = load_tokenizer(model)
         self.chat_template = read_chat_template(model)
         if num_drafts is not None:
@@ -189,7 +190,7 @@ class LLM:
             order.append(request_id)
             outputs[request_id] = RequestOutput(request_id, ids)
             try:
-                self.scheduler.add_request(request_id, ids, p)
+                self.scheduler.add_request(request_id, ids, p, streamed=False)
             except RequestError as e:
                 outputs[request_id].error = str(e)
         while self.has_work:

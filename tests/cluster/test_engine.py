@@ -328,6 +328,33 @@ def test_a_plan_of_decode_steps_in_a_row_is_those_steps_one_by_one(checkpoint):
     assert got[0][1] + got[1][1] == one_by_one[1] and got[0][2] + got[1][2] == one_by_one[2]
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_requests_read_only_at_their_end_decode_four_steps_a_plan_on_a_cpu_worker(checkpoint,
+                                                                                   graphs):
+    """By default a request that is not streamed runs 4 decode steps a plan (fewer near
+    max_tokens) on a worker without CUDA graphs; a streamed one, and any on a graph worker, one."""
+    from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
+    from metrale.cluster.scheduler import UNSTREAMED_DECODE_STEPS, Scheduler
+    capacity = WorkerCapacity(num_blocks=16, block_size=4, num_slots=2, max_model_len=64,
+                              vocab_size=384, eos_token_ids=(0,), hybrid=False, graphs=graphs)
+    s = Scheduler(SchedulerConfig(prefix_caching=False), capacity,
+                  load_tokenizer(checkpoint("qwen3")))
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    whole, = s.add_request("whole", [5, 6, 7], params, streamed=False)
+    streamed, = s.add_request("streamed", [6, 7, 8], params)
+    steps = {whole.seq_id: [], streamed.seq_id: []}
+    while s.has_work:
+        plan = s.schedule()
+        for w in plan.work:
+            if len(w.tokens) == 1:
+                steps[w.seq_id].append(w.steps)
+        s.update(plan, StepResult([SeqOutcome(w.seq_id, [9] * w.steps) for w in plan.work]))
+    assert UNSTREAMED_DECODE_STEPS == 4
+    assert steps[whole.seq_id] == ([1] * 9 if graphs else [4, 4, 1])   # 9 after the prompt's
+    assert steps[streamed.seq_id] == [1] * 9
+    assert len(whole.output_ids) == len(streamed.output_ids) == 10
+
+
 def test_preemption_never_takes_a_sequence_in_flight(checkpoint):
     from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
     from metrale.cluster.scheduler import Scheduler

@@ -74,7 +74,7 @@ def test_decode_steps_reach_the_scheduler_and_are_bounded(tmp_path, checkpoint):
     path = tmp_path / "steps.yaml"
     path.write_text(f"model: {checkpoint('qwen3')}\ndecode_steps: 4\n")
     assert MetraleConfig.from_yaml(path).scheduler_config().decode_steps == 4
-    assert MetraleConfig().scheduler_config().decode_steps == 1
+    assert MetraleConfig().scheduler_config().decode_steps is None   # per request and worker
     for bad in (0, 17):
         with pytest.raises(ConfigError, match="decode_steps"):
             MetraleConfig.validated({"decode_steps": bad})
