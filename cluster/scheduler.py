@@ -223,18 +223,18 @@ class Scheduler:
             n = min(seq.num_pending, budget)
             k = self._drafts_for(seq, k_round, budget - 1) if seq.num_pending == 1 else 0
             steps = self._decode_steps(seq, 0) if seq.num_pending == 1 and not k else 1
-            fits = self.blocks.can_append(seq.block_table, seq.num_computed + n + k + steps - 1)
+            end = seq.num_computed + n + k + steps - 1   # tokens in the caches after the plan
+            fits = self.blocks.can_append(seq.block_table, end)
             while not fits and not prefill_only:
                 # the latest sequence not in flight: a step may still write a flying one's blocks
                 victim = next(s for s in reversed(self.running) if s.seq_id not in self.in_flight)
                 self._preempt(victim)
                 if victim is seq:
                     break
-                fits = self.blocks.can_append(seq.block_table,
-                                              seq.num_computed + n + k + steps - 1)
+                fits = self.blocks.can_append(seq.block_table, end)
             if not fits:
                 continue
-            self.blocks.append(seq.block_table, seq.num_computed + n + k + steps - 1)
+            self.blocks.append(seq.block_table, end)
             chosen.append((seq, n, k))
             decode_steps[seq.seq_id] = steps
             budget -= n + k

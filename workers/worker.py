@@ -74,6 +74,15 @@ class DeviceDrafts:
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
 
 
+def _check_ahead(work: list[SeqWork], sampling) -> None:
+    """Every row planned ahead (AHEAD) must be of a sequence in `sampling`, those the step
+    before samples a token for."""
+    missing = [w.seq_id for w in work if w.tokens[0] == AHEAD and w.seq_id not in sampling]
+    if missing:
+        raise RuntimeError(f"sequences {missing} were planned ahead, but the step before "
+                           f"sampled no token for them")
+
+
 class InFlight:
     """A step launched on the device whose tokens the host has not read yet (`Worker.launch`).
     `result()` reads them, and every step launched before, in the order launched; a step that
@@ -310,17 +319,13 @@ class Worker:
         flight get their tokens from its argmaxes on the device."""
         start = time.perf_counter()
         before = self._flying[-1] if self._flying else None
+        patch = None
         if before is None:
             work = self._fill_ahead(work)
-            patch = None
         else:
+            _check_ahead(work, before.rows)
             ahead = [(i, w.seq_id) for i, w in enumerate(work) if w.tokens[0] == AHEAD]
-            missing = [s for _, s in ahead if s not in before.rows]
-            if missing:
-                raise RuntimeError(f"sequences {missing} were planned ahead, but the step before "
-                                   f"samples no token for them")
             self._sampled = {}
-            patch = None
             if ahead:
                 index = to_device([[i for i, _ in ahead], [before.rows[s] for _, s in ahead]],
                                   self.device)
@@ -441,10 +446,7 @@ class Worker:
         sampled, self._sampled = self._sampled, {}
         if not any(w.tokens[0] == AHEAD for w in work):
             return work
-        missing = [w.seq_id for w in work if w.tokens[0] == AHEAD and w.seq_id not in sampled]
-        if missing:
-            raise RuntimeError(f"sequences {missing} were planned ahead, but the step before "
-                               f"sampled no token for them")
+        _check_ahead(work, sampled)
         return [replace(w, tokens=[sampled[w.seq_id]])
                 if w.tokens[0] == AHEAD else w for w in work]
 
