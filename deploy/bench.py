@@ -1,8 +1,10 @@
 """The serving-overhead benchmark: completion tokens/s through the HTTP endpoint against the
-in-process engine on the same model, at each concurrency, and their ratio.
+in-process engine on the same model, at each concurrency, and their ratio. HTTP is measured two
+ways: through Serve's proxy (`port`) and straight to the ingress replica (`direct_port`, Ray
+Serve's direct ingress), unless --direct-port 0.
 
-The two are measured in alternation (in-process, then HTTP, `--repeat` times), so a shared
-machine's drift weighs on both alike; the ratio reported is the median of the pairs' ratios."""
+The sides are measured in turn (in-process, proxy, direct, `--repeat` times), so a shared
+machine's drift weighs on all alike; each ratio reported is the median of its turns' ratios."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ray import serve
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.config import MetraleConfig
 from metrale.deploy.llm import LLM
-from metrale.deploy.serve import APP_NAME, build_app, wait_healthy
+from metrale.deploy.serve import APP_NAME, build_app, direct_ingress_env, wait_healthy
 from metrale.workers.actor import NAMESPACE
 
 PROMPT_WORDS = ["alpha", "engine", "serves", "tokens", "before", "blocks", "are", "ready"]
@@ -76,10 +78,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests per client: a measurement at concurrency c sends rounds * c")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=24)
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--port", type=int, default=8100, help="Serve's proxy")
+    p.add_argument("--direct-port", type=int, default=8200,
+                   help="the ingress replica's own port (direct ingress); 0: not measured")
     p.add_argument("--stream", action="store_true", help="stream the HTTP responses (SSE)")
     p.add_argument("--repeat", type=int, default=3,
-                   help="in-process/HTTP pairs per concurrency (a shared machine is noisy)")
+                   help="turns (in-process, proxy, direct) per concurrency (a shared machine "
+                        "is noisy)")
     p.add_argument("--steps-in-flight", type=int, default=None,
                    help="plans the serving worker holds at once (default: the config's, 2 on CPU)")
     p.add_argument("--no-plan-ahead", action="store_true",
@@ -99,22 +104,35 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.cpus)   # as many threads as the Ray worker gets
     llm = LLM(args.model, device=args.device, decode_steps=args.decode_steps)
     config = MetraleConfig(model=args.model, device=args.device, cpus_per_worker=args.cpus,
-                           port=args.port, steps_in_flight=args.steps_in_flight,
+                           port=args.port, direct_port=args.direct_port or None,
+                           steps_in_flight=args.steps_in_flight,
                            plan_ahead=not args.no_plan_ahead, decode_steps=args.decode_steps)
+    if config.direct_port:   # inherited by the Ray processes ray.init starts
+        os.environ.update(direct_ingress_env(config.direct_port))
     ray.init(namespace=NAMESPACE, num_cpus=max(args.cpus, os.cpu_count()), log_to_driver=False,
              include_dashboard=False)
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
-    url = f"http://{config.host}:{config.port}"
-    if error := wait_healthy(url):
-        raise SystemExit(f"bench: {error}")
+    urls = {"proxy": f"http://{config.host}:{config.port}"}
+    if config.direct_port:
+        urls["direct"] = f"http://{config.host}:{config.direct_port}"
+    for url in urls.values():
+        if error := wait_healthy(url, timeout_s=600):
+            raise SystemExit(f"bench: {error}")
     in_process(llm, warmup, 4, 8)
-    asyncio.run(over_http(url, config.model_name, warmup, 4, 8, args.stream))
-    pairs = {c: [(in_process(llm, texts[c], c, args.max_tokens),
-                  asyncio.run(over_http(url, config.model_name, texts[c], c, args.max_tokens,
-                                        args.stream)))
-                 for _ in range(args.repeat)]
-             for c in args.concurrency}
+
+    def http(url: str, texts: list[str], concurrency: int, max_tokens: int) -> float:
+        return asyncio.run(over_http(url, config.model_name, texts, concurrency, max_tokens,
+                                     args.stream))
+    for url in urls.values():
+        http(url, warmup, 4, 8)
+    def turn(c: int, t: int) -> dict[str, float]:
+        """In-process, then each HTTP way, their order swapped every other turn."""
+        tok_s = {"local": in_process(llm, texts[c], c, args.max_tokens)}
+        for way in (list(urls) if t % 2 == 0 else list(urls)[::-1]):
+            tok_s[way] = http(urls[way], texts[c], c, args.max_tokens)
+        return tok_s
+    turns = {c: [turn(c, t) for t in range(args.repeat)] for c in args.concurrency}
     serve.shutdown()
     ray.shutdown()
 
@@ -124,14 +142,15 @@ def main(argv: list[str] | None = None) -> None:
           f"thread(s); steps in flight per worker: {args.steps_in_flight or 'default'}"
           f"{' (split, not ahead)' if args.no_plan_ahead else ''}; "
           f"decode steps a plan: {args.decode_steps or 'default'}; "
-          f"{args.repeat} pairs per concurrency")
-    print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP tok/s':>11} {'ratio':>6}  "
-          f"pairs' ratios")
-    for c, runs in pairs.items():
-        ratios = [h / local for local, h in runs]
-        print(f"{c:>11} {statistics.median(r[0] for r in runs):>17.1f} "
-              f"{statistics.median(r[1] for r in runs):>11.1f} {statistics.median(ratios):>6.3f}  "
-              + " ".join(f"{r:.2f}" for r in ratios))
+          f"{args.repeat} turns per concurrency")
+    print(f"{'concurrency':>11} {'in-process tok/s':>17} {'HTTP via':>8} {'HTTP tok/s':>11} "
+          f"{'ratio':>6}  turns' ratios")
+    for c, runs in turns.items():
+        local = statistics.median(r["local"] for r in runs)
+        for way in urls:
+            ratios = [r[way] / r["local"] for r in runs]
+            print(f"{c:>11} {local:>17.1f} {way:>8} {statistics.median(r[way] for r in runs):>11.1f} "
+                  f"{statistics.median(ratios):>6.3f}  " + " ".join(f"{r:.2f}" for r in ratios))
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from metrale.cluster.actor import ReplicaSpec
 from metrale.deploy.bundled import BUNDLED_MODEL, bundled_paths
@@ -112,6 +112,12 @@ class MetraleConfig(BaseModel):
     # -- the HTTP endpoint
     host: str = Field("127.0.0.1", description="Address `metrale serve` listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port `metrale serve` listens on.")
+    direct_port: int | None = Field(None, ge=1, le=65535, description="A second port on which "
+                                    "the ingress replica serves the same endpoint itself (Ray "
+                                    "Serve's direct ingress), without the hop through Serve's "
+                                    "proxy. Ray's processes must start with it: `metrale serve` "
+                                    "sets it up when it starts a local Ray; for a running "
+                                    "cluster see `direct_ingress_env`. Null: off.")
     max_pending_requests: int = Field(256, ge=1, description="Requests one replica may hold "
                                       "(running and queued) before the endpoint answers 429.")
     request_timeout_s: float | None = Field(600.0, gt=0, description="A request still unfinished "
@@ -131,6 +137,13 @@ class MetraleConfig(BaseModel):
     restart_timeout_s: float = Field(600.0, gt=0, description="How long a replica with no live "
                                      "worker keeps requests waiting for a restart before failing "
                                      "them (HTTP 503).")
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "MetraleConfig":
+        if self.direct_port == self.port:
+            raise ValueError(f"direct_port must differ from port ({self.port}): Serve's proxy "
+                             "listens on port")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "MetraleConfig":

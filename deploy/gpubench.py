@@ -479,7 +479,8 @@ def format_report(report: dict) -> str:
                     + (f"{a:>3.1f}" if (a := runs[b]['mean_acceptance_length']) else "  -")
                     if b in runs else " " * 17 for b in sizes))
             if "none" in eng:
-                steady = f"   (steady: {report.get('steady_waves')}B requests, at most B running)"
+                waves = m.get("steady_waves", report.get("steady_waves"))   # per model if merged
+                steady = f"   (steady: {waves}B requests, at most B running)"
                 for key, note in (("tokens_per_s", ""),
                                   ("full_batch_tokens_per_s", "   (until the first sequence finished)"),
                                   ("steady_tokens_per_s", steady)):
@@ -576,12 +577,14 @@ def run(args) -> int:
     for path in args.merge:   # each model keeps the commit and date it was measured at
         earlier = int_keys(json.loads(Path(path).read_text()))
         for name, m in earlier["models"].items():
-            models[name] = {"commit": earlier["commit"], "date": earlier["date"], **m}
+            models[name] = {"commit": earlier["commit"], "date": earlier["date"],
+                            "steady_waves": earlier.get("steady_waves"), **m}
     for name in [m for m in args.models.split(",") if m]:
         t = time.perf_counter()
         models[name] = bench_model(name, args, options, bandwidth)
         models[name]["seconds"] = round(time.perf_counter() - t, 1)
         models[name]["commit"] = git_commit()
+        models[name]["steady_waves"] = args.steady_waves
         note(f"{name}: done in {models[name]['seconds']}s")
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("ray.serve.metrale")
 
 APP_NAME = "metrale"
+DIRECT_WAIT_S = 60.0   # how long the ingress replica's own server may lag the proxy at start
 app = FastAPI(title="metrale")
 
 
@@ -375,6 +376,21 @@ def build_app(config: MetraleConfig | dict) -> serve.Application:
                                 max_queued_requests=ongoing).bind(config)
 
 
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """The environment under which Ray Serve's ingress replica also serves HTTP itself on `port`
+    (direct ingress: no hop through Serve's proxy). Ray's processes read it when they start, so
+    it must be set where the cluster starts: `metrale serve` sets it before starting a local
+    Ray; for a cluster of your own, `ray start` with these variables. The range is that one port
+    (its end is exclusive); a restarted ingress replica takes it again at once (no quarantine),
+    and a stopping one drains for a second, not Serve's default 30 (meant for an external load
+    balancer to notice)."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+            "RAY_SERVE_PORT_QUARANTINE_S": "0",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
 def run_server(config: MetraleConfig) -> int:
     """`metrale serve`: joins the running Ray cluster (or starts a local one), deploys the app,
     waits until it is healthy, then serves until SIGINT or SIGTERM."""
@@ -385,6 +401,8 @@ def run_server(config: MetraleConfig) -> int:
                     "api_keys or METRALE_API_KEYS)", config.host)
     application = build_app(config)
     stop = threading.Event()
+    if config.direct_port:   # takes effect when ray.init starts the cluster (inherited)
+        os.environ.update(direct_ingress_env(config.direct_port))
     ray.init(namespace=NAMESPACE)
     # Whether this process started the cluster: a terminal's Ctrl-C reaches the local Ray's
     # processes too, so nothing is left to undeploy from, and shutting Ray down cleans up.
@@ -396,11 +414,18 @@ def run_server(config: MetraleConfig) -> int:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=False)
         error = wait_healthy(url, stop)
+        direct = f"http://{config.host}:{config.direct_port}"
+        if not error and config.direct_port and wait_healthy(direct, stop, DIRECT_WAIT_S):
+            error = (f"nothing answers on direct_port {config.direct_port}: the Ray cluster "
+                     "was started without direct ingress on that port (start it with "
+                     + " ".join(f"{k}={v}" for k, v in direct_ingress_env(config.direct_port).items())
+                     + " ray start ...), or the port is taken")
         if error:
             print(f"metrale serve: {error}", file=sys.stderr)
             return 1
         if not stop.is_set():
-            print(f"metrale: serving {config.model_name!r} at {url}/v1 (Ctrl-C to stop)",
+            also = f" and, without Serve's proxy, at {direct}/v1" if config.direct_port else ""
+            print(f"metrale: serving {config.model_name!r} at {url}/v1{also} (Ctrl-C to stop)",
                   flush=True)
         stop.wait()
         print("metrale: shutting down", file=sys.stderr, flush=True)
@@ -411,10 +436,15 @@ def run_server(config: MetraleConfig) -> int:
         ray.shutdown()
 
 
-def wait_healthy(url: str, stop: threading.Event | None = None) -> str | None:
-    """None once /health answers 200 (or `stop` is set); the startup error if startup failed."""
+def wait_healthy(url: str, stop: threading.Event | None = None,
+                 timeout_s: float | None = None) -> str | None:
+    """None once /health answers 200 (or `stop` is set); else why not: the startup error if
+    startup failed, or that `timeout_s` passed first."""
     stop = stop or threading.Event()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not stop.is_set():
+        if deadline is not None and time.monotonic() > deadline:
+            return f"{url} did not answer within {timeout_s:.0f} s"
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5):
                 return None

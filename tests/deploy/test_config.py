@@ -127,6 +127,15 @@ def test_the_bundled_model_is_the_default():
         MetraleConfig(model=None).model_path
 
 
+def test_direct_port_must_differ_from_the_proxy_port():
+    assert MetraleConfig.load(None, direct_port=8001).direct_port == 8001
+    assert MetraleConfig().direct_port is None
+    with pytest.raises(ConfigError, match="direct_port must differ from port"):
+        MetraleConfig.load(None, port=9000, direct_port=9000)
+    with pytest.raises(ConfigError, match="direct_port"):
+        MetraleConfig.validated({"direct_port": 0})
+
+
 def test_serve_cli_reports_bad_config_and_checkpoint(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("replicas: -1\n")
