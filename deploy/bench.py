@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                                      args.stream))
     for url in urls.values():
         http(url, warmup, 4, 8)
+
     def turn(c: int, t: int) -> dict[str, float]:
         """In-process, then each HTTP way, their order swapped every other turn."""
         tok_s = {"local": in_process(llm, texts[c], c, args.max_tokens)}
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         local = statistics.median(r["local"] for r in runs)
         for way in urls:
             ratios = [r[way] / r["local"] for r in runs]
-            print(f"{c:>11} {local:>17.1f} {way:>8} {statistics.median(r[way] for r in runs):>11.1f} "
+            tok_s = statistics.median(r[way] for r in runs)
+            print(f"{c:>11} {local:>17.1f} {way:>8} {tok_s:>11.1f} "
                   f"{statistics.median(ratios):>6.3f}  " + " ".join(f"{r:.2f}" for r in ratios))
 
 if __name__ == "__main__":

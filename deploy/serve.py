@@ -416,10 +416,10 @@ def run_server(config: MetraleConfig) -> int:
         error = wait_healthy(url, stop)
         direct = f"http://{config.host}:{config.direct_port}"
         if not error and config.direct_port and wait_healthy(direct, stop, DIRECT_WAIT_S):
+            env = " ".join(f"{k}={v}" for k, v in direct_ingress_env(config.direct_port).items())
             error = (f"nothing answers on direct_port {config.direct_port}: the Ray cluster "
-                     "was started without direct ingress on that port (start it with "
-                     + " ".join(f"{k}={v}" for k, v in direct_ingress_env(config.direct_port).items())
-                     + " ray start ...), or the port is taken")
+                     f"was started without direct ingress on that port (start it with {env} "
+                     "ray start ...), or the port is taken")
         if error:
             print(f"metrale serve: {error}", file=sys.stderr)
             return 1
