@@ -18,19 +18,25 @@ from conftest import free_port, wait_for_200
 pytestmark = pytest.mark.slow
 
 
-def test_metrale_serve_starts_a_local_ray_serves_and_stops_on_ctrl_c(checkpoint, tmp_path):
+def metrale_serve(tmp_path, settings: dict, *flags: str) -> subprocess.Popen:
+    """`metrale serve --config` with `settings` and `flags`, as a terminal starts it (its own
+    process group, no RAY_ADDRESS, so it starts a local Ray); stderr goes to tmp_path/err."""
     config = tmp_path / "metrale.yaml"
-    config.write_text(yaml.safe_dump({"model": str(checkpoint("qwen3")), "device": "cpu",
-                                      "speculative_method": "ngram", "port": 1,
-                                      "cpus_per_worker": 0.5}))
-    port = free_port()
+    config.write_text(yaml.safe_dump(settings))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    # the model split over two worker actors (gloo on CPU)
-    proc = subprocess.Popen([sys.executable, "-m", "metrale.deploy.cli", "serve", "--config",
-                             str(config), "--port", str(port), "--num-drafts", "2",
-                             "--tensor-parallel-size", "2"],
+    return subprocess.Popen([sys.executable, "-m", "metrale.deploy.cli", "serve", "--config",
+                             str(config), *flags],
                             stdout=subprocess.PIPE, stderr=(tmp_path / "err").open("w"), text=True,
                             env=env, start_new_session=True)
+
+
+def test_metrale_serve_starts_a_local_ray_serves_and_stops_on_ctrl_c(checkpoint, tmp_path):
+    port = free_port()
+    # the model split over two worker actors (gloo on CPU)
+    proc = metrale_serve(tmp_path, {"model": str(checkpoint("qwen3")), "device": "cpu",
+                                    "speculative_method": "ngram", "port": 1,
+                                    "cpus_per_worker": 0.5},
+                         "--port", str(port), "--num-drafts", "2", "--tensor-parallel-size", "2")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_200(f"{url}/health", 150, proc, tmp_path / "err")
@@ -53,16 +59,11 @@ def test_direct_port_serves_the_same_endpoint_without_the_proxy(tmp_path):
     """`--direct-port`: the ingress replica answers there itself (Ray Serve's direct ingress, set
     up by `metrale serve` as it starts the local Ray): the same greedy text as through the proxy,
     SSE, OpenAI error bodies, and a client that disconnects frees its place."""
-    config = tmp_path / "metrale.yaml"
-    # the bundled model: slow enough on a CPU that a long request outlives the checks below
-    config.write_text(yaml.safe_dump({"device": "cpu", "cpus_per_worker": 0.5,
-                                      "max_pending_requests": 2}))
     port, direct = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen([sys.executable, "-m", "metrale.deploy.cli", "serve", "--config",
-                             str(config), "--port", str(port), "--direct-port", str(direct)],
-                            stdout=subprocess.PIPE, stderr=(tmp_path / "err").open("w"), text=True,
-                            env=env, start_new_session=True)
+    # the bundled model: slow enough on a CPU that a long request outlives the checks below
+    proc = metrale_serve(tmp_path, {"device": "cpu", "cpus_per_worker": 0.5,
+                                    "max_pending_requests": 2},
+                         "--port", str(port), "--direct-port", str(direct))
     proxied, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{direct}"
     try:
         wait_for_200(f"{url}/health", 150, proc, tmp_path / "err")
