@@ -26,12 +26,17 @@ class SuffixIndex:
         self.last: dict[tuple[int, ...], int] = {}
         self.indexed = 0   # tokens of history whose preceding n-grams are in `last`
 
-    def drafts(self, num_drafts: int) -> list[int]:
+    def extend(self) -> None:
+        """Indexes the tokens that arrived since the last call."""
         h = self.history
         for end in range(self.indexed + 1, len(h)):   # n-grams ending at end - 1, followed by h[end]
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.last[tuple(h[end - n:end])] = end - n
         self.indexed = max(self.indexed, len(h) - 1)
+
+    def drafts(self, num_drafts: int) -> list[int]:
+        self.extend()
+        h = self.history
         for n in range(min(self.max_n, len(h) - 1), self.min_n - 1, -1):
             start = self.last.get(tuple(h[-n:]))
             if start is not None:
@@ -56,13 +61,23 @@ class NgramProposer:
     def from_worker(cls, ngram_min=1, ngram_max=4, **_):
         return cls(ngram_min, ngram_max)
 
+    def _index_of(self, slot: int, history: list[int]) -> SuffixIndex:
+        index = self.index.get(slot)
+        # the worker starts a new history list for each sequence a slot takes
+        if index is None or index.history is not history:
+            index = self.index[slot] = SuffixIndex(history, self.min_n, self.max_n)
+        return index
+
+    def observe(self, slot: int, history: list[int]) -> None:
+        """A prompt chunk joined the slot's history: the worker calls this while the device runs
+        the chunk, so a prompt's n-grams (about 0.3 ms of host time per 256 tokens) are indexed
+        in its prefill step rather than in the sequence's first round."""
+        self._index_of(slot, history).extend()
+
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
         out = []
         for req in requests:
-            index = self.index.get(req.slot)
-            # the worker starts a new history list for each sequence a slot takes
-            if index is None or index.history is not req.history:
-                index = self.index[req.slot] = SuffixIndex(req.history, self.min_n, self.max_n)
+            index = self._index_of(req.slot, req.history)
             kept: list[int] = []
             for token in index.drafts(req.num_drafts):   # a grammar cuts at its first disallowed token
                 mask = req.allowed(kept) if req.allowed else None

@@ -392,6 +392,7 @@ class Worker:
              for w, c in zip(work, chunks)], self.config.block_size)
         patch = on_device.patch(work, layout) if on_device else None
         hidden, captured, logits = self._forward(layout, patch)
+        self._observe_prompts(work)
         verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits, on_device)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed, verified = [], [], ([], [])
@@ -503,6 +504,15 @@ class Worker:
             if w.context_len == 0:
                 self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
             self.history[w.slot].extend(w.tokens)
+
+    def _observe_prompts(self, work: list[SeqWork]) -> None:
+        """Hands prompt chunks to a proposer that indexes its sequences' tokens (n-gram), after
+        the step's launch and before its verdicts wait for the device."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:
+            for w in work:
+                if len(w.tokens) > 1:
+                    observe(w.slot, self.history[w.slot])
 
     def _constraint(self, w: SeqWork):
         """The mask source of a sequence: its in-process constraint, or its compiled grammar."""

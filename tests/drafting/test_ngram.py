@@ -33,3 +33,37 @@ def test_proposer_rebuilds_when_a_slot_takes_a_new_sequence():
     first.extend([9, 5, 6])    # the index follows appends to the list it was built on
     p.propose([ProposeRequest(1, 7, 6, 3, [], first)])
     assert p.propose([ProposeRequest(1, 7, 6, 3, [], first)])[0].tokens == [9, 5, 6]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60),
+       chunks=st.lists(st.integers(1, 9), min_size=1, max_size=8), k=st.integers(1, 5))
+def test_prompt_chunks_observed_before_the_first_round_give_the_scans_drafts(tokens, chunks, k):
+    p = NgramProposer(1, 3)
+    history: list[int] = []
+    at = 0
+    for c in chunks:   # prefill chunks: each indexed while the device runs it
+        history.extend(tokens[at:at + c])
+        at += c
+        p.observe(0, history)
+    assert p.index[0].indexed == max(len(history) - 1, 0)
+    history.extend(tokens[at:at + 2])   # the first sampled token, and one more round's
+    got = p.propose([ProposeRequest(0, len(history) - 1, history[-1], k, [], history)])
+    assert got[0].tokens == ngram_drafts(history, k, 1, 3)
+
+
+def test_the_worker_indexes_each_prompt_chunk_in_its_prefill_step(checkpoint):
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    llm = LLM(checkpoint("qwen3"), device="cpu", block_size=4, max_num_batched_tokens=8,
+              speculative_method="ngram", num_drafts=3)
+    prompt = list(range(5, 25)) * 2   # 40 tokens: five chunks of 8
+    rid = llm.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
+    seq = llm.scheduler.by_request[rid][0]
+    index = llm.worker.proposer.index
+    chunks = 0
+    while not seq.output_ids:
+        llm.step()
+        chunks += 1
+        assert index[seq.slot].indexed == seq.num_computed - 1   # before any round looks it up
+    assert chunks == 5
