@@ -451,7 +451,9 @@ class Scheduler:
     def _append_tokens(self, seq: Sequence, tokens: list[int]) -> int:
         """A step's tokens for the sequence, up to the first that ends it (a stop token, a stop
         string, the length); returns how many it took. Their text is decoded once for all of
-        them, unless stop strings must be looked for after each token."""
+        them, unless stop strings must be looked for after each token. A sequence that is not
+        streamed and has no stop strings is decoded once, when it ends (the detokenizer then
+        takes all its tokens in one step)."""
         if seq.finished:
             return 0
         p = seq.params
@@ -473,7 +475,8 @@ class Scheduler:
             return end + 1
         seq.output_ids.extend(tokens)
         at_length = self._tokens_left(seq) <= 0
-        seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
+        if seq.streamed or p.stop or at_length:   # else no one reads the text before the end
+            seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
         if p.stop and self._cut_at_stop_string(seq):
             self._finish(seq, "stop")
         elif at_length:

@@ -148,7 +148,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     batch; `full_batch_tokens_per_s` counts only the steps until the first sequence finished."""
     sched = llm.scheduler
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    ids = [llm.add_request(p, params) for p in prompts]
+    ids = [llm.add_request(p, params, streamed=False) for p in prompts]   # read at the end
     while sched.waiting or any(not s.output_ids for s in sched.running):
         llm.step()
     before = sum(len(s.output_ids) for s in sched.running)

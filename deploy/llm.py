@@ -135,10 +135,12 @@ class LLM:
         return self.tokenizer.encode(prompt).ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, streamed: bool = True) -> str:
+        """Queues a prompt; `step` then advances it. A request not `streamed` is read only when
+        it ends (`finished_output`): its text is decoded then, not after every step."""
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.scheduler.add_request(request_id, ids, params)
+        self.scheduler.add_request(request_id, ids, params, streamed)
         return request_id
 
     @property

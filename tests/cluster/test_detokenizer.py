@@ -32,7 +32,8 @@ def test_a_steps_tokens_end_a_sequence_where_appending_one_at_a_time_would(tmp_p
     """The scheduler takes a step's tokens (accepted drafts and the sampled one) together and
     decodes their text once: the tokens kept, the text and the finish reason equal those of
     appending them one at a time (as plain decoding does), for stop tokens, EOS, the length,
-    stop strings and multi-byte text."""
+    stop strings and multi-byte text. A request not streamed ends with the same text and
+    reason, its text decoded only at the end (unless it has stop strings to look for)."""
     from metrale.cluster.params import SamplingParams
     from metrale.cluster.plan import WorkerCapacity
     from metrale.cluster.scheduler import Scheduler, SchedulerConfig
@@ -48,15 +49,19 @@ def test_a_steps_tokens_end_a_sequence_where_appending_one_at_a_time_would(tmp_p
              (dict(max_tokens=7, ignore_eos=True), (3, 8)),                # the length, mid-step
              (dict(max_tokens=40, ignore_eos=True, stop=["Gr"]), (6, 8, 40))]
     for params, chunks in cases:
-        together, alone = (Scheduler(SchedulerConfig(), capacity, tok) for _ in range(2))
-        for s in (together, alone):
-            s.add_request("r", [5, 6, 7], SamplingParams(**params))
-        a, b = together.waiting[0], alone.waiting[0]
+        together, alone, whole = (Scheduler(SchedulerConfig(), capacity, tok) for _ in range(3))
+        for s in (together, alone, whole):
+            s.add_request("r", [5, 6, 7], SamplingParams(**params), streamed=s is not whole)
+        a, b, c = together.waiting[0], alone.waiting[0], whole.waiting[0]
         start, taken = 0, []
         for n in chunks:
             taken.append(together._append_tokens(a, text[start:start + n]))
             for token in text[start:start + n]:
                 alone._append_tokens(b, [token])
+            whole._append_tokens(c, text[start:start + n])
+            if not c.finished and "stop" not in params:
+                assert c.text == ""   # not decoded while no one reads it
             start += n
-        assert a.output_ids == b.output_ids and sum(taken) == len(a.output_ids)
-        assert a.text == b.text and a.finish_reason == b.finish_reason is not None, params
+        assert a.output_ids == b.output_ids == c.output_ids and sum(taken) == len(a.output_ids)
+        assert a.text == b.text == c.text, params
+        assert a.finish_reason == b.finish_reason == c.finish_reason is not None, params
