@@ -118,6 +118,10 @@ class GraphRunner:
             return None, [], logits[:rows]
         return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]
 
+    def input_ids(self, rows: int) -> torch.Tensor:
+        """The first `rows` input ids of the step replayed last (drafts patched in)."""
+        return self.inputs[0][:rows]
+
     def _views(self, bucket: int, length: int, width: int, tensors: list[torch.Tensor]):
         """The step's fields in `tensors` (device inputs or a staging set), for this shape: ids,
         positions, KV indices, slots; row starts, row counts, cached lengths, and the block

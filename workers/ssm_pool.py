@@ -113,6 +113,23 @@ class SSMSlotPool:
         self.conv.index_copy_(1, index[0], self.verify_conv.index_select(1, index[1]))
         self.state.index_copy_(1, index[0], self.verify_state.index_select(1, index[1]))
 
+    def commit_greedy(self, ids: torch.Tensor, best: torch.Tensor, drafts: list[int],
+                      slots: list[int], length: int) -> torch.Tensor | None:
+        """The commit of a greedy verify, launched before the host knows its verdicts: the
+        sequences' rows are `length` each (pending token, drafts, filler) in ids and best (input
+        tokens and argmaxes, on the device), drafts[i] of them real. Each slot's accepted count
+        is found on the device (kernels.greedy_accept) and the captured commit replays over the
+        pairs it writes. Returns the counts [n] on the device, or None (nothing launched) when
+        no captured commit holds n slots."""
+        bucket = bucket_for(self.commit_buckets, len(slots))
+        if bucket is None:
+            return None
+        host = to_device([drafts, slots], self.conv.device)
+        accepted = kernels.greedy_accept(ids, best, host[0], host[1], self.offsets,
+                                         self.commit_index[:, :bucket], length, self.commit_pad)
+        self.commits[bucket].replay()
+        return accepted
+
     def scratch(self, slots: list[int], layers: int) -> "SSMSlotPool":
         """A copy of the first `layers` layers' state of `slots`, as slots 0..len(slots)-1, for a
         draft pass that must not touch the committed state."""

@@ -392,8 +392,9 @@ class Worker:
              for w, c in zip(work, chunks)], self.config.block_size)
         patch = on_device.patch(work, layout) if on_device else None
         hidden, captured, logits = self._forward(layout, patch)
+        early = self._commit_before_verdicts(work, layout, drafts, logits)
         self._observe_prompts(work)
-        verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits, on_device)
+        verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits, on_device, early)
         verdicts = self.tp.agree(verdicts) if verdicts else verdicts
         outcomes, committed, verified = [], [], ([], [])
         rows_state = self.proposer is not None and self.proposer.keeps_row_state
@@ -411,7 +412,7 @@ class Worker:
             if rows_state:
                 committed.append(self._committed_rows(w, rows, d[:accepted], outcome, hidden,
                                                       captured))
-        if self.ssm is not None:
+        if self.ssm is not None and early is None:
             self.ssm.commit(*verified)
         if rows_state:
             self.proposer.commit(committed)
@@ -505,6 +506,26 @@ class Worker:
                 self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
             self.history[w.slot].extend(w.tokens)
 
+    def _commit_before_verdicts(self, work: list[SeqWork], layout: RowsLayout,
+                                drafts: dict[int, list[int]], logits: torch.Tensor | None):
+        """A greedy verify replayed from a graph on a hybrid target commits its SSM states
+        before the host reads its verdicts: the accepted counts are found on the device, so the
+        commit's launch overlaps the verify instead of following the round's host sync. Returns
+        (argmaxes, accepted counts) on the device, or None where the commit waits for the
+        verdicts (sampling, logprobs, a grammar, an eager step, no verify)."""
+        length = layout.uniform_length
+        if (self.ssm is None or self.graphs is None or logits is None or not length
+                or length < 2 or not all(s.verify for s in layout.seqs)
+                or not all(len(w.tokens) == 1 and w.sample is not None and w.sample.greedy
+                           and w.sample.logprobs is None and self._constraint(w) is None
+                           for w in work)):
+            return None
+        best = logits.argmax(-1)
+        accepted = self.ssm.commit_greedy(
+            self.graphs.input_ids(len(work) * length), best,
+            [len(drafts.get(w.seq_id, ())) for w in work], [w.slot for w in work], length)
+        return None if accepted is None else (best, accepted)
+
     def _observe_prompts(self, work: list[SeqWork]) -> None:
         """Hands prompt chunks to a proposer that indexes its sequences' tokens (n-gram), after
         the step's launch and before its verdicts wait for the device."""
@@ -575,12 +596,14 @@ class Worker:
 
     def _verdicts(self, work: list[SeqWork], seqs: list[SeqRows], drafts: dict[int, list[int]],
                   hidden: torch.Tensor, logits: torch.Tensor | None,
-                  on_device: "DeviceDrafts | None" = None) -> dict[int, SeqOutcome]:
+                  on_device: "DeviceDrafts | None" = None, early=None) -> dict[int, SeqOutcome]:
         """The outcome of every sampling sequence, by id. Logits are one lm_head GEMM over the
         rows read: a CUDA graph computed every row's; otherwise those of each sampling sequence's
         pending token and drafts (filler rows after them are not read) are gathered first.
         Drafts still on the device come to the host with the argmaxes, in the round's one sync,
-        and replace their placeholders in `drafts`."""
+        and replace their placeholders in `drafts`. With `early` (argmaxes and accepted counts
+        of a commit already launched) the counts come in the same sync, and a verdict that
+        differs from its count stops the worker: the SSM states would be wrong."""
         sampled = []   # (work, number of drafts, first row of the pending token and the drafts)
         for w, rows in zip(work, seqs):
             if w.sample:
@@ -594,11 +617,17 @@ class Worker:
             sampled = [(w, k, at) for (w, k, _), at in zip(sampled, starts)]
         greedy = [w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None
                   for w, _, _ in sampled]
-        best = logits.argmax(-1) if any(greedy) else None   # plain greedy: over every row
+        if early is not None:   # its argmaxes, and its counts to check the verdicts against
+            best = torch.cat(early)
+        else:
+            best = logits.argmax(-1) if any(greedy) else None   # plain greedy: over every row
         if on_device:   # its drafts come to the host with the argmaxes, in one sync
             best = on_device.read_into(drafts, best)
         elif best is not None:
             best = best.tolist()
+        committed = None
+        if early is not None:
+            best, committed = best[:early[0].numel()], best[early[0].numel():]
         verdicts = {}
         for (w, k, first), plain in zip(sampled, greedy):
             d = drafts.get(w.seq_id, [])
@@ -607,6 +636,11 @@ class Worker:
             else:
                 verdict = greedy_verdict(d, best[first:first + len(d) + 1])
                 verdicts[w.seq_id] = SeqOutcome(w.seq_id, verdict.tokens, len(d), verdict.accepted)
+        if committed is not None:
+            found = [verdicts[w.seq_id].accepted for w in work]
+            if found != committed:
+                raise RuntimeError(f"the device committed {committed} accepted drafts where the "
+                                   f"verdicts found {found}")
         return verdicts
 
     def _accept(self, w: SeqWork, drafts: list[int], logits: torch.Tensor) -> SeqOutcome:

@@ -114,3 +114,31 @@ def test_an_engine_thread_launches_while_another_reads(checkpoint):
         return outs
     assert asyncio.run(run()) == refs
     assert not worker._flying
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint, monkeypatch,
+                                                                     method):
+    """On the graph path a greedy verify on a hybrid target commits its SSM states from accepted
+    counts found on the device, before the host reads the verdicts (checked against them); a
+    round with a sampled sequence commits after its verdicts as before. Both give transformers'
+    greedy tokens, with n-gram and MTP drafts."""
+    from metrale.workers.ssm_pool import SSMSlotPool
+    early, late = [], []
+    commit_greedy, commit = SSMSlotPool.commit_greedy, SSMSlotPool.commit
+    monkeypatch.setattr(SSMSlotPool, "commit_greedy", lambda self, *a: early.append(1)
+                        or commit_greedy(self, *a))
+    monkeypatch.setattr(SSMSlotPool, "commit", lambda self, slots, acc: late.append(len(slots))
+                        or commit(self, slots, acc))
+    model_dir = checkpoint("qwen3_5")
+    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=16,
+              speculative_method=method, num_drafts=3, adaptive_drafts=False)
+    assert llm.worker.graphs is not None
+    prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine"]]
+    refs = [checkpoints.reference_greedy(model_dir, p, 32) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert early and not any(late), "greedy rounds committed after their verdicts"
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
+                                  SamplingParams(max_tokens=32, temperature=0.8, seed=1)])
+    assert outs[0].token_ids == refs[0] and any(late)

@@ -194,6 +194,39 @@ def test_ssm_commit_kernel_takes_each_slots_accepted_entry(dtype, captured):
     assert torch.equal(pool.conv, conv) and torch.equal(pool.state, state)
 
 
+@pytest.mark.parametrize("length", [2, 4, 8])
+def test_greedy_accept_counts_what_greedy_verdict_finds(length):
+    """The device's accepted counts for a greedy verify equal greedy_verdict's for each
+    sequence, whatever filler follows its real drafts (here filler that matches); the commit
+    pairs name each slot's entry after its accepted drafts, the padding columns the padding
+    pair, and columns past the bucket stay as they were."""
+    from metrale.drafting.rejection import greedy_verdict
+    g = torch.Generator().manual_seed(length)
+    k = length - 1
+    slots = [4, 0, 3, 1, 2]
+    plan = [(k, k), (0, 0), (1, 0), (k, k // 2), (k - 1, k - 1)]   # (real drafts, to accept)
+    n, pairs = len(plan), 8
+    best = torch.randint(0, 1000, (n * length,), generator=g)
+    ids = best.roll(1)   # every row's token is the argmax of the row before: all would match
+    for i, (d, a) in enumerate(plan):
+        if a < d:
+            ids[i * length + 1 + a] += 1   # the first rejected draft
+    offsets = torch.tensor([0, 9, 18, 27, 36])
+    index = torch.full((2, 16), -1, dtype=torch.long, device=DEVICE)
+    accepted = kernels.greedy_accept(
+        ids.to(DEVICE), best.to(DEVICE), torch.tensor([d for d, _ in plan], device=DEVICE),
+        torch.tensor(slots, device=DEVICE), offsets.to(DEVICE), index[:, :pairs], length, (5, 45))
+    want = [greedy_verdict(ids[i * length + 1:i * length + 1 + d].tolist(),
+                           best[i * length:(i + 1) * length].tolist()).accepted
+            for i, (d, _) in enumerate(plan)]
+    assert want == [a for _, a in plan]
+    assert accepted.tolist() == want
+    assert index[0, :pairs].tolist() == slots + [5] * (pairs - n)
+    assert index[1, :pairs].tolist() == [offsets[s] + a for s, a in zip(slots, want)] + \
+        [45] * (pairs - n)
+    assert (index[:, pairs:] == -1).all()
+
+
 def verify_offsets(slot_ids, n_slots, length, first):
     """A verify pool's per-slot offsets where slot_ids[b] owns entries first + b * length .. +
     length - 1, and those entries [B, L] (what pool.entries gives)."""

@@ -156,6 +156,30 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _greedy_accept_kernel(ids_ptr, best_ptr, drafts_ptr, slots_ptr, offsets_ptr, index_ptr,
+                              accepted_ptr, index_stride, n, pad_slot, pad_entry,
+                              LENGTH: tl.constexpr, L_PAD: tl.constexpr):
+        """Program i < n: sequence i's rows i*LENGTH.. hold its pending token and drafts; it
+        accepts drafts while draft j (row j + 1) is the argmax of row j, among its first
+        drafts[i] (rows after them are filler). Writes the count, and the commit's pair (slot,
+        its verify entry after the accepted drafts). Programs i >= n write the padding pair."""
+        i = tl.program_id(0)
+        if i < n:
+            d = tl.load(drafts_ptr + i)
+            j = tl.arange(0, L_PAD)
+            real = j < d
+            draft = tl.load(ids_ptr + i * LENGTH + 1 + j, mask=real, other=0)
+            best = tl.load(best_ptr + i * LENGTH + j, mask=real, other=0)
+            accepted = tl.min(tl.where(real & (draft != best), j, d))
+            slot = tl.load(slots_ptr + i)
+            tl.store(accepted_ptr + i, accepted)
+            tl.store(index_ptr + i, slot)
+            tl.store(index_ptr + index_stride + i, tl.load(offsets_ptr + slot) + accepted)
+        else:
+            tl.store(index_ptr + i, pad_slot)
+            tl.store(index_ptr + index_stride + i, pad_entry)
+
+    @triton.jit
     def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr,
                               index_stride, slots, entries, conv_size, state_size,
                               BLOCK: tl.constexpr):
@@ -501,6 +525,22 @@ def commit_states(conv: torch.Tensor, state: torch.Tensor, verify_conv: torch.Te
     _commit_states_kernel[grid](conv, state, verify_conv, verify_state, index, index.stride(0),
                                 slots, verify_conv.shape[1], conv_size, state_size, BLOCK=block,
                                 num_warps=4)
+
+
+def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
+                  slots: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
+                  length: int, pad: tuple[int, int]) -> torch.Tensor:
+    """Greedy verdicts on the device, for a verify of n = len(drafts) sequences of `length` rows
+    each: ids, best [n * length] the rows' input tokens and argmaxes; drafts [n] the real drafts
+    per sequence; slots [n] their SSM slots and offsets the pool's first entry per slot. Returns
+    the drafts each accepted [n] (what greedy_verdict finds), and writes the commit's pairs
+    into index [2, >= n] (slot, entry): columns n.. of it get `pad` (slot, entry)."""
+    n, pairs = drafts.shape[0], index.shape[1]
+    accepted = torch.empty(n, dtype=torch.long, device=ids.device)
+    _greedy_accept_kernel[(pairs,)](ids, best, drafts, slots, offsets, index, accepted,
+                                    index.stride(0), n, pad[0], pad[1], LENGTH=length,
+                                    L_PAD=_pow2(max(length - 1, 1)), num_warps=1)
+    return accepted
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
