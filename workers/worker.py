@@ -516,15 +516,19 @@ class Worker:
         length = layout.uniform_length
         if (self.ssm is None or self.graphs is None or logits is None or not length
                 or length < 2 or not all(s.verify for s in layout.seqs)
-                or not all(len(w.tokens) == 1 and w.sample is not None and w.sample.greedy
-                           and w.sample.logprobs is None and self._constraint(w) is None
-                           for w in work)):
+                or not all(len(w.tokens) == 1 and w.sample is not None
+                           and self._plain_greedy(w) for w in work)):
             return None
         best = logits.argmax(-1)
         accepted = self.ssm.commit_greedy(
             self.graphs.input_ids(len(work) * length), best,
             [len(drafts.get(w.seq_id, ())) for w in work], [w.slot for w in work], length)
         return None if accepted is None else (best, accepted)
+
+    def _plain_greedy(self, w: SeqWork) -> bool:
+        """Whether a sampling sequence's verdict is its argmaxes alone: greedy, without logprobs
+        or a mask."""
+        return w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None
 
     def _observe_prompts(self, work: list[SeqWork]) -> None:
         """Hands prompt chunks to a proposer that indexes its sequences' tokens (n-gram), after
@@ -615,8 +619,7 @@ class Worker:
             logits = self.model.logits(hidden[to_device(index, hidden.device)])
             starts = itertools.accumulate((k + 1 for _, k, _ in sampled), initial=0)
             sampled = [(w, k, at) for (w, k, _), at in zip(sampled, starts)]
-        greedy = [w.sample.greedy and w.sample.logprobs is None and self._constraint(w) is None
-                  for w, _, _ in sampled]
+        greedy = [self._plain_greedy(w) for w, _, _ in sampled]
         if early is not None:   # its argmaxes, and its counts to check the verdicts against
             best = torch.cat(early)
         else:
