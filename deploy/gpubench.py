@@ -319,6 +319,25 @@ def bundled_prompts(model_dir: Path, count: int, length: int) -> list[list[int]]
     return prompts[:count]
 
 
+def decode_model(name: str, count: int, ckpt_dir: str) -> tuple[str, list[list[int]]]:
+    """A model and `count` prompts for the A/B scripts (scripts/aheadab.py, launchab.py): the
+    bundled model with held-out prompts of 256 tokens, or a random-weight checkpoint of
+    SHAPES[name] (written once under ckpt_dir) with random prompts of 512."""
+    if name == "bundled":
+        return str(BUNDLED_MODEL), bundled_prompts(BUNDLED_MODEL, count, 256)
+    model_dir = str(write_random_checkpoint(Path(ckpt_dir) / name, SHAPES[name], "cuda"))
+    return model_dir, random_prompts(count, 512, ModelConfig.from_dir(model_dir).vocab_size)
+
+
+def decode_engine(model_dir: str, prompts: list[list[int]], new_tokens: int) -> LLM:
+    """A bfloat16 CUDA engine sized for decoding `prompts` together (no speculation)."""
+    batch, length = len(prompts), max(len(p) for p in prompts)
+    return LLM(model_dir, device="cuda", dtype="bfloat16", max_num_seqs=batch,
+               kv_cache_bytes=kv_bytes_needed(model_dir, "bfloat16", batch,
+                                              length + new_tokens + 16),
+               max_num_batched_tokens=min(batch * (length + 1), 16384), warmup_prefill_rows=0)
+
+
 def bench_model(name: str, args, options: dict, bandwidth: float) -> dict:
     shape = None
     if name == "bundled":

@@ -7,15 +7,10 @@ model: the two settings take turns, and each keeps the median of its runs.
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-from metrale.deploy.bundled import BUNDLED_MODEL
-from metrale.deploy.gpubench import SHAPES, bundled_prompts, decode_run, kv_bytes_needed
-from metrale.deploy.llm import LLM
-from metrale.deploy.random_checkpoint import random_prompts, write_random_checkpoint
-from metrale.workers.models.config import ModelConfig
+from metrale.deploy.gpubench import decode_engine, decode_model, decode_run
 
 
 def main() -> None:
@@ -29,18 +24,8 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     top = max(sizes)
     for name in args.models.split(","):
-        if name == "bundled":
-            model_dir, length = str(BUNDLED_MODEL), 256
-            prompts = bundled_prompts(Path(model_dir), top, length)
-        else:
-            model_dir = str(write_random_checkpoint(Path(args.ckpt_dir) / name, SHAPES[name],
-                                                    "cuda"))
-            length = 512
-            prompts = random_prompts(top, length, ModelConfig.from_dir(model_dir).vocab_size)
-        llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_num_seqs=top,
-                  kv_cache_bytes=kv_bytes_needed(model_dir, "bfloat16", top,
-                                                 length + args.new_tokens + 16),
-                  max_num_batched_tokens=min(top * (length + 1), 16384), warmup_prefill_rows=0)
+        model_dir, prompts = decode_model(name, top, args.ckpt_dir)
+        llm = decode_engine(model_dir, prompts, args.new_tokens)
         assert llm._pipelined, "the engine does not launch ahead (no CUDA graphs?)"
         for b in sizes:
             decode_run(llm, prompts[:b], args.new_tokens)   # warm-up, kernels compile

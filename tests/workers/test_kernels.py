@@ -363,7 +363,7 @@ def test_fused_norms_and_activation_match_the_modules(dtype, offset):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_out,n_in", [(50, 64), (37, 1500), (6, 2048)])
+@pytest.mark.parametrize("n_out,n_in", [(50, 64), (37, 1500), (6, 2048), (10, 9000)])
 def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
     """One row (a view of a wider row) through the GEMV kernel; linear() takes it only for one
     row in inference, and F.linear otherwise."""
@@ -379,6 +379,13 @@ def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
         assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
         assert torch.equal(kernels.linear(rows[:1], w), out)
         assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # two rows: cuBLAS
+        # [gate | up] with the SiLU applied to the sums: the two kernels' bits, in one launch
+        if n_out % 2 == 0:
+            fused = kernels.linear_silu_mul(rows[:1], w)
+            assert fused.shape == (1, n_out // 2)
+            assert torch.equal(fused, kernels.silu_mul(out))
+            assert torch.equal(kernels.linear_silu_mul(rows, w),
+                               kernels.silu_mul(F.linear(rows, w)))
     with torch.enable_grad():
         assert torch.equal(kernels.linear(rows[:1], w), F.linear(rows[:1], w))
 
@@ -391,15 +398,18 @@ def test_one_sequence_decodes_through_the_gemv(checkpoint, monkeypatch):
     from metrale.deploy.llm import LLM
     calls = []
     gemv = kernels.gemv
-    monkeypatch.setattr(kernels, "gemv", lambda x, w: calls.append(w.shape) or gemv(x, w))
+    monkeypatch.setattr(kernels, "gemv",
+                        lambda x, w, **kw: calls.append((w.shape, kw)) or gemv(x, w, **kw))
     model_dir = checkpoint("qwen3")
     llm = LLM(model_dir, device=DEVICE, dtype="float32", block_size=4,
               attention_backend="triton", cuda_graphs=DEVICE == "cuda")
     prompt = llm.encode("def schedule(self, tokens):")
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == checkpoints.reference_greedy(model_dir, prompt, 12)
-    assert (llm.worker.model.lm_head.weight.shape in calls
-            and llm.worker.model.model.layers[0].self_attn.qkv.shape in calls)
+    layer = llm.worker.model.model.layers[0]
+    assert (llm.worker.model.lm_head.weight.shape, {}) in calls
+    assert (layer.self_attn.qkv.shape, {}) in calls
+    assert (layer.mlp.gate_up.shape, {"silu_mul": True}) in calls   # the MLP's first GEMV
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -37,7 +37,35 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+PDL = True   # programmatic dependent launch where the GPU has it (False: off, for A/B runs)
+
+
+@functools.cache
+def _device_pdl(device: int) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl() -> dict:
+    """Launch options for every kernel here. On Hopper and later each kernel is launched with
+    programmatic dependent launch: it may start while the kernel before it finishes, and waits
+    for it (gdc_wait, all its writes visible) before it reads anything a kernel wrote or writes
+    anything at all; only weights, which no step writes, are read before the wait (the GEMVs'
+    first stretch). So the launch and the ramp-up of each of a step's few hundred small kernels
+    hide behind the one before. Off under the interpreter and on older GPUs."""
+    on = (PDL and os.environ.get("TRITON_INTERPRET") != "1"
+          and _device_pdl(torch.cuda.current_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
 if triton is not None:
+    @triton.jit
+    def _after_previous(PDL: tl.constexpr):
+        """Lets the next kernel launch, then waits until the one before has finished (see
+        _pdl); a no-op without PDL."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
     @triton.jit
     def _paged_attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, tables_ptr, q_start_ptr,
@@ -45,12 +73,14 @@ if triton is not None:
             stride_kh, stride_tb, stride_ot, stride_oh,
             GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-            PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr):
+            PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+                                PDL: tl.constexpr):
         """One program: BLOCK_L query rows of one sequence for the GROUP query heads that share
         one KV head, over one of SPLITS equal ranges (whole BLOCK_N blocks) of the keys those rows
         see; keys stream from the paged cache with an online softmax. With one range the rows are
         normalised into `out`; with several each range leaves its un-normalised float32 partial
         (acc, running max m, sum l) for _combine_splits_kernel."""
+        _after_previous(PDL)
         seq, kv_head = tl.program_id(0), tl.program_id(1)
         tile, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
         q_len = tl.load(q_len_ptr + seq)
@@ -120,10 +150,11 @@ if triton is not None:
     @triton.jit
     def _combine_splits_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, heads, stride_ot, stride_oh,
                                SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               D_PAD: tl.constexpr):
+                               D_PAD: tl.constexpr, PDL: tl.constexpr):
         """One query row of one head: its SPLITS partials, each weighted by exp(m_i - max m), so a
         range with no key for the row (m_i = -inf) weighs nothing; a row with no key at all
         gets zeros, as in the single-range path."""
+        _after_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
         part = (row * heads + head) * SPLITS + tl.arange(0, SPLITS)
         d = tl.arange(0, D_PAD)
@@ -142,8 +173,9 @@ if triton is not None:
     def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_kh,
                          stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                          KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         D_PAD: tl.constexpr, PAGE: tl.constexpr):
+                         D_PAD: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
         """One row: its keys and values of every KV head to its slot (block * PAGE + offset)."""
+        _after_previous(PDL)
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         h = tl.arange(0, H_PAD)[:, None]
@@ -158,11 +190,12 @@ if triton is not None:
     @triton.jit
     def _greedy_accept_kernel(ids_ptr, best_ptr, drafts_ptr, slots_ptr, offsets_ptr, index_ptr,
                               accepted_ptr, index_stride, n, pad_slot, pad_entry,
-                              LENGTH: tl.constexpr, L_PAD: tl.constexpr):
+                              LENGTH: tl.constexpr, L_PAD: tl.constexpr, PDL: tl.constexpr):
         """Program i < n: sequence i's rows i*LENGTH.. hold its pending token and drafts; it
         accepts drafts while draft j (row j + 1) is the argmax of row j, among its first
         drafts[i] (rows after them are filler). Writes the count, and the commit's pair (slot,
         its verify entry after the accepted drafts). Programs i >= n write the padding pair."""
+        _after_previous(PDL)
         i = tl.program_id(0)
         if i < n:
             d = tl.load(drafts_ptr + i)
@@ -182,9 +215,10 @@ if triton is not None:
     @triton.jit
     def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr,
                               index_stride, slots, entries, conv_size, state_size,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, PDL: tl.constexpr):
         """One program: chunk c of one layer's conv window and recurrent state, copied from
         verify entry index[1, p] to slot index[0, p] (each a contiguous run of elements)."""
+        _after_previous(PDL)
         p, layer, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         to_slot = (layer * slots + tl.load(index_ptr + p)).to(tl.int64)
         from_entry = (layer * entries + tl.load(index_ptr + index_stride + p)).to(tl.int64)
@@ -218,12 +252,13 @@ if triton is not None:
             slots_ptr, keep_ptr, offsets_ptr, length, scale, stride_q, stride_k, stride_v,
             stride_a, stride_b,
             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-            BV: tl.constexpr, KEEP: tl.constexpr):
+            BV: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
         """One program: BV value columns of one value head of one sequence, token by token in
         float32. Row r of q, k, v, a and b starts at r times its stride. The gates come from the
         raw projections a and b (see _gates). The state starts from the sequence's slot; with KEEP
         the state after token t goes to verify entry offsets[slot] + t and the slot is left
         alone, else the slot is updated."""
+        _after_previous(PDL)
         seq, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // (HV // HK)
         slot = tl.load(slots_ptr + seq)
@@ -254,9 +289,11 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                         HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
         """One row: (x + residual, rounded to x's dtype, stored) then RMSNorm times the weight,
         rounding where the torch modules round."""
+        _after_previous(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -300,8 +337,10 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh,
-                          eps, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, OFFSET: tl.constexpr):
+                          eps, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, OFFSET: tl.constexpr,
+                          PDL: tl.constexpr):
         """One head of one row: RMSNorm over the head, then rotary on its first ROT features."""
+        _after_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
         out = _norm_rope(x_ptr + row * stride_xt + head * stride_xh, w_ptr, cos_ptr, sin_ptr, row,
                          eps, out_ptr.dtype.element_ty, HEAD_DIM, ROT, OFFSET)
@@ -312,10 +351,11 @@ if triton is not None:
                              k_cache_ptr, v_cache_ptr, slots_ptr, heads, stride_qt, stride_qh,
                              stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs,
                              stride_ch, eps, HEAD_DIM: tl.constexpr, ROT: tl.constexpr,
-                             OFFSET: tl.constexpr, PAGE: tl.constexpr):
+                             OFFSET: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
         """One head of one row. Query heads (the first `heads`): norm and rotary into q_out. Key
         heads after them: norm and rotary into the key cache at the row's slot, and the value
         head copied into the value cache there."""
+        _after_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, HEAD_DIM)
         if head < heads:
@@ -334,24 +374,55 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, n_out, n_in, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """BLOCK_N outputs of one row: x [n_in] times BLOCK_N contiguous rows of w [n_out, n_in],
-        accumulated in float32 over BLOCK_K-wide stretches and summed at the end."""
+                     FIRST: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                     PDL: tl.constexpr):
+        """BLOCK_N outputs of one row: x [n_in] times BLOCK_N contiguous rows of w [n_out, n_in]
+        in float32, the first FIRST features as one stretch, loaded before waiting for the
+        kernel before (see _pdl), then BLOCK_K at a time; rounded once at the end. With SILU_MUL
+        w is [gate | up] ([2 * n_out, n_in]) and the outputs are silu(gate) * up, gate rows n and
+        up rows n_out + n summed alike and rounded as _silu_mul_kernel rounds."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_out
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for start in range(0, n_in, BLOCK_K):
-            k = start + tl.arange(0, BLOCK_K)
-            k_ok = k < n_in
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + n[:, None] * n_in + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-        tl.store(out_ptr + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
+        rows = w_ptr + n[:, None] * n_in
+        k = tl.arange(0, FIRST)
+        ok = n_ok[:, None] & (k < n_in)[None, :]
+        w = tl.load(rows + k[None, :], mask=ok, other=0.0)
+        if SILU_MUL:
+            u = tl.load(rows + n_out * n_in + k[None, :], mask=ok, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptr + k, mask=k < n_in, other=0.0).to(tl.float32)
+        total = tl.sum(w.to(tl.float32) * x[None, :], 1)
+        if SILU_MUL:
+            total_up = tl.sum(u.to(tl.float32) * x[None, :], 1)
+        if n_in > FIRST:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for start in range(FIRST, n_in, BLOCK_K):   # names of their own: other shapes
+                kb = start + tl.arange(0, BLOCK_K)
+                kb_ok = kb < n_in
+                okb = n_ok[:, None] & kb_ok[None, :]
+                xb = tl.load(x_ptr + kb, mask=kb_ok, other=0.0).to(tl.float32)
+                acc += tl.load(rows + kb[None, :], mask=okb, other=0.0).to(tl.float32) * xb[None, :]
+                if SILU_MUL:
+                    acc_up += (tl.load(rows + n_out * n_in + kb[None, :], mask=okb, other=0.0)
+                               .to(tl.float32) * xb[None, :])
+            total += tl.sum(acc, 1)
+            if SILU_MUL:
+                total_up += tl.sum(acc_up, 1)
+        dtype = out_ptr.dtype.element_ty
+        out = total.to(dtype)
+        if SILU_MUL:
+            gate = out.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out = (act * total_up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + n, out, mask=n_ok)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """x: [rows, 2 * n] as [gate | up]; out = silu(gate) * up, rounded as torch rounds."""
+        _after_previous(PDL)
         row, block = tl.program_id(0), tl.program_id(1)
         cols = block * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -374,7 +445,7 @@ if triton is not None:
     def _causal_conv1d_kernel(x_ptr, w_ptr, window_ptr, slots_ptr, keep_ptr, offsets_ptr,
                               out_ptr, length, channels, stride_xb, stride_xt,
                               K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                              KEEP: tl.constexpr):
+                              KEEP: tl.constexpr, PDL: tl.constexpr):
         """One program: BLOCK channels of ROWS rows of one sequence, row by row. Row t's output
         is silu(sum_i w[i] * input[t + i]), the inputs being the sequence's window then its rows;
         as in the torch reference, the taps and each product are rounded to the weight's dtype,
@@ -383,6 +454,7 @@ if triton is not None:
         program of the rows (the only one that reads the window, as ROWS >= K-1) writes the
         slot's new window, the last K-1 inputs, after its reads: each channel is read and
         written by one thread."""
+        _after_previous(PDL)
         seq, block, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         c = block * BLOCK + tl.arange(0, BLOCK)
         ok = c < channels
@@ -415,9 +487,10 @@ if triton is not None:
 
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, heads, stride_xt, stride_gt,
-                               eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                               eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr):
         """One head of one row: RMSNorm rounded to x's dtype, times the weight (rounded again),
         times SiLU(gate) in float32, as GatedRMSNorm rounds."""
+        _after_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, D_PAD)
         ok = d < HEAD_DIM
@@ -438,6 +511,7 @@ PROGRAMS_PER_SM, MAX_SPLITS = 2, 32
 INTERPRETER_SMS = 132   # an H100/H200, so that tests under the interpreter take the GPU's paths
 GEMV_ROWS, GEMV_BLOCK = 2, 1024   # weight rows per gemv program, features per stretch (fastest
                                   # on the H200 at Qwen3-8B's shapes, scratch sweep 2026-12-01)
+GEMV_FIRST = 4096   # features of the first stretch, loaded before the wait (see _pdl)
 
 
 @functools.cache
@@ -490,11 +564,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, G_PAD=g_pad, BLOCK_L=block_l, BLOCK_N=block_n, HEAD_DIM=dim,
         D_PAD=max(_pow2(dim), 16), PAGE=page, CAUSAL=causal, IEEE=q.dtype == torch.float32,
-        SPLITS=splits, num_warps=4)
+        SPLITS=splits, **_pdl(), num_warps=4)
     if splits > 1:
         _combine_splits_kernel[(rows, heads)](
             acc, m_part, l_part, out, heads, out.stride(0), out.stride(1), SPLITS=splits,
-            HEAD_DIM=dim, D_PAD=_pow2(dim), num_warps=4)
+            HEAD_DIM=dim, D_PAD=_pow2(dim), **_pdl(), num_warps=4)
     return out
 
 
@@ -508,7 +582,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), KV_HEADS=kv_heads,
         H_PAD=_pow2(kv_heads), HEAD_DIM=dim, D_PAD=_pow2(dim), PAGE=k_cache.shape[1],
-        num_warps=4)
+        **_pdl(), num_warps=4)
 
 
 def commit_states(conv: torch.Tensor, state: torch.Tensor, verify_conv: torch.Tensor,
@@ -524,7 +598,7 @@ def commit_states(conv: torch.Tensor, state: torch.Tensor, verify_conv: torch.Te
     grid = (pairs, layers, triton.cdiv(max(conv_size, state_size), block))
     _commit_states_kernel[grid](conv, state, verify_conv, verify_state, index, index.stride(0),
                                 slots, verify_conv.shape[1], conv_size, state_size, BLOCK=block,
-                                num_warps=4)
+                                **_pdl(), num_warps=4)
 
 
 def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
@@ -539,7 +613,7 @@ def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
     accepted = torch.empty(n, dtype=torch.long, device=ids.device)
     _greedy_accept_kernel[(pairs,)](ids, best, drafts, slots, offsets, index, accepted,
                                     index.stride(0), n, pad[0], pad[1], LENGTH=length,
-                                    L_PAD=_pow2(max(length - 1, 1)), num_warps=1)
+                                    L_PAD=_pow2(max(length - 1, 1)), **_pdl(), num_warps=1)
     return accepted
 
 
@@ -564,7 +638,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
         offsets if offsets is not None else slots, length, dk ** -0.5,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, num_warps=4)
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, **_pdl(), num_warps=4)
     return out
 
 
@@ -587,7 +661,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
     _rms_norm_kernel[(x.numel() // n,)](
         x, residual if residual is not None else x, weight, out,
         summed if summed is not None else out, n, eps, HAS_RES=residual is not None,
-        OFFSET=offset, BLOCK=_pow2(n), num_warps=8 if n >= 2048 else 4)
+        OFFSET=offset, BLOCK=_pow2(n), **_pdl(), num_warps=8 if n >= 2048 else 4)
     return (out, summed) if residual is not None else out
 
 
@@ -600,7 +674,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool,
     out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
     _norm_rope_kernel[(rows, heads)](x, weight, cos.contiguous(), sin.contiguous(), out, heads,
                                      x.stride(0), x.stride(1), eps, HEAD_DIM=dim,
-                                     ROT=cos.shape[-1], OFFSET=offset, num_warps=1)
+                                     ROT=cos.shape[-1], OFFSET=offset, **_pdl(), num_warps=1)
     return out
 
 
@@ -622,18 +696,22 @@ def qk_norm_rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, q_weight, k_weight, cos.contiguous(), sin.contiguous(), out, k_cache, v_cache,
         slot_mapping, heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        HEAD_DIM=dim, ROT=cos.shape[-1], OFFSET=offset, PAGE=k_cache.shape[1], num_warps=1)
+        HEAD_DIM=dim, ROT=cos.shape[-1], OFFSET=offset, PAGE=k_cache.shape[1], **_pdl(),
+        num_warps=1)
     return out
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """x [1, n_in] (features contiguous) times weight [n_out, n_in] (contiguous) transposed:
-    [1, n_out] in x's dtype, what F.linear computes, rounded once from float32 sums."""
+    [1, n_out] in x's dtype, what F.linear computes, rounded once from float32 sums. With
+    `silu_mul`, weight is [gate | up] and the result is silu_mul of that, [1, n_out / 2]."""
     n_out, n_in = weight.shape
+    n_out //= 1 + silu_mul
     out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n_out, GEMV_ROWS),)](
-        x, weight, out, n_out, n_in, BLOCK_N=GEMV_ROWS, BLOCK_K=min(GEMV_BLOCK, _pow2(n_in)),
-        num_warps=4, num_stages=1)
+        x, weight, out, n_out, n_in, BLOCK_N=GEMV_ROWS, FIRST=min(GEMV_FIRST, _pow2(n_in)),
+        BLOCK_K=min(GEMV_BLOCK, _pow2(n_in)), SILU_MUL=silu_mul, **_pdl(), num_warps=4,
+        num_stages=1)
     return out
 
 
@@ -643,18 +721,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     run on goes through gemv: the weights stream at close to the copy bandwidth, where cuBLAS's
     kernels for one row reached 75-95% of it (and add a split-K reduction for some shapes).
     Outside inference (autograd on) it is always F.linear."""
-    if (bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-            and weight.is_contiguous() and weight.dtype == x.dtype and runs_on(x.device)
-            and not torch.is_grad_enabled()):   # no backward: inference only
+    if _gemv_takes(x, weight, bias):
         return gemv(x, weight)
     return F.linear(x, weight, bias)
+
+
+def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+            and weight.is_contiguous() and weight.dtype == x.dtype and runs_on(x.device)
+            and not torch.is_grad_enabled())   # no backward: inference only
+
+
+def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul(linear(x, gate_up)); one row through one GEMV kernel that applies the SiLU to
+    its sums (the same sums and roundings), so a decode step's MLP is two launches."""
+    if _gemv_takes(x, gate_up, None):
+        return gemv(x, gate_up, silu_mul=True)
+    return silu_mul(linear(x, gate_up))
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2n] holding [gate | up] per row. Returns silu(gate) * up, [T, n]."""
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](x, out, n, BLOCK=1024, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](x, out, n, BLOCK=1024, **_pdl(), num_warps=4)
     return out
 
 
@@ -679,7 +769,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Te
         x, weight, window, slots, keep if keep is not None else window,
         offsets if offsets is not None else slots, out, length, channels, x.stride(0),
         x.stride(1), K=taps, BLOCK=CONV_BLOCK, ROWS=CONV_ROWS, KEEP=keep is not None,
-        num_warps=4)
+        **_pdl(), num_warps=4)
     return out
 
 
@@ -694,5 +784,5 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
     _gated_rms_norm_kernel[(rows, heads)](x, gate, weight, out, heads, x.stride(0),
                                           gate.stride(0), eps, HEAD_DIM=dim, D_PAD=_pow2(dim),
-                                          num_warps=1)
+                                          **_pdl(), num_warps=1)
     return out

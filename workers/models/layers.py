@@ -63,7 +63,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         if fused and hasattr(self, "gate_up"):   # one GEMM, one activation kernel
-            return self.down_proj(kernels.silu_mul(kernels.linear(x, self.gate_up)))
+            return self.down_proj(kernels.linear_silu_mul(x, self.gate_up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
