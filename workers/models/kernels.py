@@ -42,7 +42,8 @@ PDL = True   # programmatic dependent launch where the GPU has it (False: off, f
 
 @functools.cache
 def _device_pdl(device: int) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    """NVIDIA Hopper or later (a ROCm build also reports its GPUs as cuda devices)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _pdl() -> dict:
@@ -74,7 +75,7 @@ if triton is not None:
             GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
             PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
-                                PDL: tl.constexpr):
+            PDL: tl.constexpr):
         """One program: BLOCK_L query rows of one sequence for the GROUP query heads that share
         one KV head, over one of SPLITS equal ranges (whole BLOCK_N blocks) of the keys those rows
         see; keys stream from the paged cache with an online softmax. With one range the rows are
