@@ -6,9 +6,10 @@ and captured with the variant's settings, the variants taking turns and each kee
 Variants: `separate` (the MLP's GEMV and SiLU x up as two kernels, plain launches), `fused` (one
 GEMV kernel applies the SiLU), `fused+pdl` (and every kernel launched with programmatic dependent
 launch, kernels.PDL), each GEMV program loading its first 1024 weights before its wait, and
-`fused+pdl+first` (the first kernels.GEMV_FIRST). Prints tokens/s and ms per step of plain greedy decoding per variant, each
-variant's ratio to `separate`, and for qwen3-8b the step against the bandwidth floor as gpubench
-computes it.
+`fused+pdl+first` (its first kernels.GEMV_FIRST). Prints tokens/s and ms per step of plain greedy
+decoding per variant, each variant's ratio to `separate`, at B=1 the step against the bandwidth
+floor as gpubench computes it, and whether each variant decoded the tokens `separate` decoded (a
+GEMV that sums another first stretch adds in another order, which can flip near-tied logits).
 """
 import argparse
 import statistics
@@ -71,7 +72,7 @@ def main() -> None:
                 print(f"{name} B={b} {variant:10s} {tps:8.0f} tokens/s, {ms:.3f} ms a step, "
                       f"{tps / base:.3f}x separate{floor}", flush=True)
             params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-            for variant, llm in engines.items():   # the variants must decode the same tokens
+            for variant, llm in engines.items():   # the same tokens as separate?
                 use(variant)
                 outputs[variant] = [o.token_ids for o in llm.generate(prompts[:b], params)]
             same = {v: outputs[v] == outputs["separate"] for v in VARIANTS}

@@ -728,6 +728,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether gemv computes F.linear(x, weight, bias) here: one contiguous row, no bias."""
     return (bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
             and weight.is_contiguous() and weight.dtype == x.dtype and runs_on(x.device)
             and not torch.is_grad_enabled())   # no backward: inference only
