@@ -321,6 +321,15 @@ def bundled_prompts(model_dir: Path, count: int, length: int) -> list[list[int]]
     return prompts[:count]
 
 
+def add_ab_arguments(p: argparse.ArgumentParser, models: str, batch_sizes: str) -> None:
+    """The arguments the A/B scripts share (see decode_model)."""
+    p.add_argument("--models", default=models)
+    p.add_argument("--batch-sizes", default=batch_sizes)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--ckpt-dir", default="/tmp/metrale-bench")
+
+
 def decode_model(name: str, count: int, ckpt_dir: str) -> tuple[str, list[list[int]]]:
     """A model and `count` prompts for the A/B scripts (scripts/aheadab.py, launchab.py): the
     bundled model with held-out prompts of 256 tokens, or a random-weight checkpoint of

@@ -10,16 +10,12 @@ import sys
 
 import torch
 
-from metrale.deploy.gpubench import decode_engine, decode_model, decode_run
+from metrale.deploy.gpubench import add_ab_arguments, decode_engine, decode_model, decode_run
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--models", default="bundled,qwen3-8b")
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--ckpt-dir", default="/tmp/metrale-bench")
+    add_ab_arguments(p, models="bundled,qwen3-8b", batch_sizes="1,8,32")
     args = p.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     top = max(sizes)

@@ -18,8 +18,8 @@ import sys
 import torch
 
 from metrale.cluster.params import SamplingParams
-from metrale.deploy.gpubench import (copy_bandwidth, decode_engine, decode_model, decode_run,
-                                     weight_bytes)
+from metrale.deploy.gpubench import (add_ab_arguments, copy_bandwidth, decode_engine,
+                                     decode_model, decode_run, weight_bytes)
 from metrale.workers.models import kernels
 
 FUSED = kernels.linear_silu_mul
@@ -37,11 +37,7 @@ def use(variant: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--models", default="qwen3-8b,bundled")
-    p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--ckpt-dir", default="/tmp/metrale-bench")
+    add_ab_arguments(p, models="qwen3-8b,bundled", batch_sizes="1,8")
     args = p.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     top = max(sizes)

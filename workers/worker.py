@@ -346,9 +346,8 @@ class Worker:
         """Whether a decode round may return before its verdicts are read (the worker keeps
         nothing of it but its sequences' history, which only their next round reads): n-gram
         drafts (made on the host, no state per row), every sequence plain greedy."""
-        return self.rounds_fly and bool(work) and all(
-            len(w.tokens) == 1 and w.steps == 1 and w.sample is not None
-            and self._plain_greedy(w) for w in work)
+        return (self.rounds_fly and all(w.steps == 1 for w in work)
+                and self._plain_greedy_decoding(work))
 
     def _flies(self, work: list[SeqWork]) -> bool:
         """Whether a step may run without a host sync: plain greedy decoding of every sequence
@@ -392,11 +391,8 @@ class Worker:
             self._read_flights(self._flying[0])
         _, _, logits = self.graphs.run(layout, patch, keep_hidden=False)
         best = logits.argmax(-1)
-        host = self._landing[self._launches % FLIGHTS][:len(work)]
+        host, done = self._to_host(self._landing, self._launches, best)
         self._launches += 1
-        host.copy_(best, non_blocking=True)   # a copy in stream order, read on the host later
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
         flight = InFlight(self, work, best, host, done, start)
         self._flying.append(flight)
         return flight
@@ -483,16 +479,21 @@ class Worker:
         return finish
 
     def _land(self, device: tuple[torch.Tensor, ...]) -> "Landed":
-        """The round's argmaxes (and accepted counts) copied into a pinned slot of its own, in
-        stream order, with the event that says they are there."""
-        host = self._round_landing[self._rounds % FLIGHTS]
-        self._rounds += 1
+        """The round's argmaxes (and accepted counts) copied into a pinned slot of its own."""
         flat = torch.cat(device) if len(device) > 1 else device[0]
-        host = host[:flat.numel()]
-        host.copy_(flat, non_blocking=True)
+        host, done = self._to_host(self._round_landing, self._rounds, flat)
+        self._rounds += 1
+        return Landed(host, done, device[0].numel(), len(device) > 1)
+
+    def _to_host(self, ring: list[torch.Tensor], turn: int, values: torch.Tensor):
+        """`values` copied in stream order into pinned slot `turn` (mod FLIGHTS) of `ring`, and
+        the event after which the host may read them (reading the device tensor itself would
+        wait behind every step launched since)."""
+        host = ring[turn % FLIGHTS][:values.numel()]
+        host.copy_(values, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        return Landed(host, done, device[0].numel(), len(device) > 1)
+        return host, done
 
     def _execute_steps(self, plan: StepPlan) -> StepResult:
         """A plan of decode steps in a row (`SeqWork.steps`, plain decoding): step i runs every
@@ -591,14 +592,19 @@ class Worker:
         length = layout.uniform_length
         if (self.ssm is None or self.graphs is None or logits is None or not length
                 or length < 2 or not all(s.verify for s in layout.seqs)
-                or not all(len(w.tokens) == 1 and w.sample is not None
-                           and self._plain_greedy(w) for w in work)):
+                or not self._plain_greedy_decoding(work)):
             return None
         best = logits.argmax(-1)
         accepted = self.ssm.commit_greedy(
             self.graphs.input_ids(len(work) * length), best,
             [len(drafts.get(w.seq_id, ())) for w in work], [w.slot for w in work], length)
         return None if accepted is None else (best, accepted)
+
+    def _plain_greedy_decoding(self, work: list[SeqWork]) -> bool:
+        """Whether every sequence of a step decodes (its one pending token, drafts after it)
+        and its verdict is its argmaxes alone."""
+        return bool(work) and all(len(w.tokens) == 1 and w.sample is not None
+                                  and self._plain_greedy(w) for w in work)
 
     def _plain_greedy(self, w: SeqWork) -> bool:
         """Whether a sampling sequence's verdict is its argmaxes alone: greedy, without logprobs
