@@ -143,13 +143,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def all_plain_greedy(self) -> bool:
-        """Whether every request is greedy, without logprobs or a mask: a verdict that is the
-        argmaxes alone (the rounds an in-process GPU worker keeps in flight)."""
-        return all(s.params.greedy and s.params.logprobs is None and s.params.grammar is None
-                   and s.params.constraint is None
-                   for s in itertools.chain(self.running, self.waiting))
-
     def share(self, steps_in_flight: int) -> int | None:
         """Sequences per plan when `steps_in_flight` plans alternate on the worker: an equal part
         of the sequences it runs or will; None (no limit) when the plans follow each other over

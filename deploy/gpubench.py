@@ -41,8 +41,7 @@ from metrale.workers.ssm_pool import SSMSlotPool
 SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-2b": QWEN3_5_2B}
 SMALL_SHAPES = {"qwen3-8b": QWEN3_SMALL, "qwen3.5-2b": QWEN3_5_SMALL}
 MAX_VERIFY = 15                     # the deepest verify timed (rows = k + 1)
-# ngram, ngram@7 (at most 7), ngram=3 (always 3); +fly: greedy rounds in flight (fly_rounds)
-METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?(\+fly)?")
+METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?")    # ngram, ngram@7 (at most 7), ngram=3 (always 3)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -214,7 +213,7 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     top = max(args.batch_sizes)
     engines = {}
     for spec in methods:
-        method, how, k, fly = METHOD.fullmatch(spec).groups()
+        method, how, k = METHOD.fullmatch(spec).groups()
         engines[spec] = LLM(
             model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
             kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
@@ -223,8 +222,7 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
             max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
             speculative_method=method, num_drafts=int(k) if k else None,
             adaptive_drafts=how != "=",
-            drafter=drafter if method == "dflash" else None,
-            **({"fly_rounds": True} if fly else {}), **options)
+            drafter=drafter if method == "dflash" else None, **options)
     out: dict[str, dict] = {spec: {} for spec in methods}
     for b in args.batch_sizes:
         for llm in engines.values():
@@ -584,8 +582,7 @@ def run(args) -> int:
     args.methods = [m for m in args.methods.split(",") if m]
     for m in args.methods:
         if not METHOD.fullmatch(m):
-            raise SystemExit(f"--methods: {m!r} is not METHOD, METHOD@K or METHOD=K "
-                             "(each optionally +fly)")
+            raise SystemExit(f"--methods: {m!r} is not METHOD, METHOD@K or METHOD=K")
     if args.steady_waves < 0:
         raise SystemExit(f"--steady-waves: {args.steady_waves} is below 0 (0 turns steady runs off)")
     args.new_tokens = args.new_tokens or (16 if args.small else 128)

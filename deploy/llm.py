@@ -117,7 +117,7 @@ class LLM:
             capacity, self.tokenizer)
         self._ids = itertools.count()
         self._pipelined = (isinstance(self.worker, Worker) and capacity.graphs
-                           and (self.scheduler.plans_ahead or self.worker.rounds_fly))
+                           and self.scheduler.plans_ahead)
         self._flying: deque = deque()   # (plan, InFlight) launched, oldest first
 
     def close(self) -> None:
@@ -153,10 +153,7 @@ class LLM:
         worker that replays CUDA graphs, plain decoding keeps two steps launched: the next is
         planned ahead (its tokens are those the step before samples, taken on the device) and
         launched before the host reads the tokens of the one before, so the scheduler's work
-        overlaps the device's (see `Worker.launch`). Greedy n-gram rounds cannot be planned
-        before their verdicts; there the sequences take turns in two plans of half of them
-        each (`Scheduler.share`), and one plan's verdicts are read, its next round proposed and
-        launched while the other's round runs on the device."""
+        overlaps the device's (see `Worker.launch`)."""
         if not self._pipelined:
             plan = self.scheduler.schedule()
             try:
@@ -166,10 +163,7 @@ class LLM:
                 raise
             return self.scheduler.update(plan, result)
         try:
-            # None (all sequences in each plan): planned ahead, or rounds that do not fly
-            fly = self.scheduler.plans_ahead or self.scheduler.all_plain_greedy()
-            share = self.scheduler.share(2) if fly else None
-            while len(self._flying) < 2 and (plan := self.scheduler.schedule(share)).work:
+            while len(self._flying) < 2 and (plan := self.scheduler.schedule()).work:
                 self._flying.append((plan, self.worker.launch(plan)))
             if not self._flying:
                 return self.scheduler.update(plan, self.worker.execute(plan))   # no work

@@ -35,22 +35,6 @@ PROMPTS = ["def schedule(self, tokens):", "The café engine", "日本語 🙂 x 
            "# serves pages and blocks before the logits are ready"]
 
 
-def record_turns(llm: LLM) -> list[tuple[set[int], set[int]]]:
-    """Wraps the worker's launch: for each speculative round launched in flight while other
-    plans' results were unread, (its sequences, theirs)."""
-    turns, launch = [], llm.worker.launch
-
-    def recorded(plan):
-        flight = launch(plan)
-        unread = [p for p, f in llm._flying if not f.read]
-        if flight._finish is not None and unread:
-            turns.append(({w.seq_id for w in plan.work},
-                          {w.seq_id for p in unread for w in p.work}))
-        return flight
-    llm.worker.launch = recorded
-    return turns
-
-
 def run_with_arrivals(llm: LLM, arrivals: dict[int, list[list[int]]], params: SamplingParams):
     """Adds prompts at the given engine steps (continuous batching); returns outputs in order."""
     ids, step = [], 0

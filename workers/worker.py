@@ -89,21 +89,16 @@ class InFlight:
     ran to its end at launch holds its result already."""
 
     def __init__(self, worker: "Worker | None", work: list[SeqWork] = (), best=None, host=None,
-                 done=None, start: float = 0.0, result: StepResult | None = None, finish=None):
+                 done=None, start: float = 0.0, result: StepResult | None = None):
         # best: the argmaxes on the device; host: their pinned copy, valid once `done` has passed
         self.worker, self.work, self.best, self.host = worker, work, best, host
         self.done, self.start = done, start
         self.rows = {w.seq_id: i for i, w in enumerate(work)}   # one row a sequence
         self._result = result
-        self._finish = finish   # a speculative round's: reads its verdicts (Worker._start)
 
     @classmethod
     def finished(cls, result: StepResult) -> "InFlight":
         return cls(None, result=result)
-
-    @classmethod
-    def round(cls, finish) -> "InFlight":
-        return cls(None, finish=finish)
 
     @property
     def read(self) -> bool:
@@ -111,26 +106,9 @@ class InFlight:
         return self._result is not None
 
     def result(self) -> StepResult:
-        if self._result is None and self._finish is not None:
-            self._result, self._finish = self._finish(), None
-        elif self._result is None:
+        if self._result is None:
             self.worker._read_flights(self)
         return self._result
-
-
-@dataclass
-class Landed:
-    """A round's argmaxes, and the accepted counts after them when its SSM commit was launched
-    before its verdicts (`committed`), copied to pinned host memory: valid once `done` passed."""
-    host: torch.Tensor
-    done: "torch.cuda.Event"
-    rows: int
-    committed: bool
-
-    def read(self) -> tuple[list[int], list[int] | None]:
-        self.done.synchronize()   # this round's copy only: later steps may still run
-        values = self.host.tolist()
-        return values[:self.rows], values[self.rows:] if self.committed else None
 
 
 @dataclass(frozen=True)
@@ -158,9 +136,6 @@ class WorkerConfig:
     capture_at_start: bool = True        # capture every decode/verify graph when starting
     warmup_prefill_rows: int = 0         # on CUDA: one dummy prefill of this many rows at start
                                          # (the step budget), compiling its kernels before serving
-    fly_rounds: bool = False             # greedy n-gram rounds stay in flight, two plans of half
-                                         # the sequences taking turns (in-process LLM; built,
-                                         # not yet measured on the GPU: off by default)
 
     @property
     def torch_device(self) -> torch.device:
@@ -240,11 +215,6 @@ class Worker:
         # pinned landing rows for the argmaxes of steps in flight, used in turn
         self._landing = ([torch.empty(slots, dtype=torch.long, pin_memory=True)
                           for _ in range(FLIGHTS)] if self.use_graphs else [])
-        # ...and for the argmaxes and accepted counts of speculative rounds in flight
-        self._round_landing = ([torch.empty(slots * (config.max_drafts + 2), dtype=torch.long,
-                                            pin_memory=True) for _ in range(FLIGHTS)]
-                               if self.use_graphs and p else [])
-        self._rounds = 0
         self._launches = 0
         self.graphs = GraphRunner(
             self.model, self.kv, self.ssm, slots, config.max_drafts + 1 if p else 1,
@@ -330,24 +300,7 @@ class Worker:
             if not plan.prefill and self._flies(plan.work):   # (prefill steps are timed)
                 return self._launch_decode(plan.work)
         self._read_flights()
-        if not plan.prefill and self._round_flies(plan.work):
-            return InFlight.round(self._start(plan.work, land=True))
         return InFlight.finished(self._execute(plan))
-
-    @property
-    def rounds_fly(self) -> bool:
-        """Whether greedy n-gram rounds may stay in flight (`_round_flies`), so that two plans
-        over different sequences can alternate: one round's verdicts are read while the other
-        runs on the device."""
-        return (self.config.fly_rounds and self.config.speculative_method == "ngram"
-                and self.tp.size == 1)
-
-    def _round_flies(self, work: list[SeqWork]) -> bool:
-        """Whether a decode round may return before its verdicts are read (the worker keeps
-        nothing of it but its sequences' history, which only their next round reads): n-gram
-        drafts (made on the host, no state per row), every sequence plain greedy."""
-        return (self.rounds_fly and all(w.steps == 1 for w in work)
-                and self._plain_greedy_decoding(work))
 
     def _flies(self, work: list[SeqWork]) -> bool:
         """Whether a step may run without a host sync: plain greedy decoding of every sequence
@@ -421,17 +374,8 @@ class Worker:
             return StepResult()
         if any(w.steps > 1 for w in plan.work):
             return self._execute_steps(plan)
-        return self._start(plan.work)()
-
-    def _start(self, work: list[SeqWork], land: bool = False):
-        """Runs a step up to its verdicts: proposes, lays out, launches the forward (and a greedy
-        verify's SSM commit); returns the function that reads the verdicts, commits and returns
-        the result. With `land` (a round in flight, `_round_flies`) the argmaxes, and the counts
-        of a commit already launched, are copied to pinned host memory in stream order and read
-        once they are there, so later steps may run on the device (and overwrite a graph's
-        outputs) before the function is called."""
         start = time.perf_counter()
-        work = self._fill_ahead(work)
+        work = self._fill_ahead(plan.work)
         self._track_history(work)
         # Whether there are drafts or verdicts at all follows from the plan alone, so every rank
         # takes rank 0's, or none has any.
@@ -446,44 +390,31 @@ class Worker:
         patch = on_device.patch(work, layout) if on_device else None
         hidden, captured, logits = self._forward(layout, patch)
         early = self._commit_before_verdicts(work, layout, drafts, logits)
-        commit_later = early is None   # the SSM commit follows the verdicts
-        if land and logits is not None:
-            early = self._land(early if early is not None else (logits.argmax(-1),))
         self._observe_prompts(work)
-
-        def finish() -> StepResult:
-            verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits, on_device, early)
-            verdicts = self.tp.agree(verdicts) if verdicts else verdicts
-            outcomes, committed, verified = [], [], ([], [])
-            rows_state = self.proposer is not None and self.proposer.keeps_row_state
-            for w, rows in zip(work, layout.seqs):
-                d = drafts.get(w.seq_id, [])
-                outcome = verdicts.get(w.seq_id)
-                accepted = outcome.accepted if outcome else 0
-                if w.seq_id in verifying:
-                    verified[0].append(w.slot)
-                    verified[1].append(accepted)
-                self.history[w.slot].extend(d[:accepted])
-                if outcome:
-                    outcomes.append(outcome)
-                    self.stats.record(outcome.proposed, accepted)
-                if rows_state:
-                    committed.append(self._committed_rows(w, rows, d[:accepted], outcome, hidden,
-                                                          captured))
-            if self.ssm is not None and commit_later:
-                self.ssm.commit(*verified)
+        verdicts = self._verdicts(work, layout.seqs, drafts, hidden, logits, on_device, early)
+        verdicts = self.tp.agree(verdicts) if verdicts else verdicts
+        outcomes, committed, verified = [], [], ([], [])
+        rows_state = self.proposer is not None and self.proposer.keeps_row_state
+        for w, rows in zip(work, layout.seqs):
+            d = drafts.get(w.seq_id, [])
+            outcome = verdicts.get(w.seq_id)
+            accepted = outcome.accepted if outcome else 0
+            if w.seq_id in verifying:
+                verified[0].append(w.slot)
+                verified[1].append(accepted)
+            self.history[w.slot].extend(d[:accepted])
+            if outcome:
+                outcomes.append(outcome)
+                self.stats.record(outcome.proposed, accepted)
             if rows_state:
-                self.proposer.commit(committed)
-            self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
-            return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
-        return finish
-
-    def _land(self, device: tuple[torch.Tensor, ...]) -> "Landed":
-        """The round's argmaxes (and accepted counts) copied into a pinned slot of its own."""
-        flat = torch.cat(device) if len(device) > 1 else device[0]
-        host, done = self._to_host(self._round_landing, self._rounds, flat)
-        self._rounds += 1
-        return Landed(host, done, device[0].numel(), len(device) > 1)
+                committed.append(self._committed_rows(w, rows, d[:accepted], outcome, hidden,
+                                                      captured))
+        if self.ssm is not None and early is None:
+            self.ssm.commit(*verified)
+        if rows_state:
+            self.proposer.commit(committed)
+        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
+        return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
 
     def _to_host(self, ring: list[torch.Tensor], turn: int, values: torch.Tensor):
         """`values` copied in stream order into pinned slot `turn` (mod FLIGHTS) of `ring`, and
@@ -701,20 +632,17 @@ class Worker:
             starts = itertools.accumulate((k + 1 for _, k, _ in sampled), initial=0)
             sampled = [(w, k, at) for (w, k, _), at in zip(sampled, starts)]
         greedy = [self._plain_greedy(w) for w, _, _ in sampled]
-        committed = None
-        if isinstance(early, Landed):   # a round in flight: from pinned memory, no device sync
-            best, committed = early.read()
+        if early is not None:   # its argmaxes, and its counts to check the verdicts against
+            best = torch.cat(early)
         else:
-            if early is not None:   # its argmaxes, and its counts to check the verdicts against
-                best = torch.cat(early)
-            else:
-                best = logits.argmax(-1) if any(greedy) else None   # plain greedy: every row
-            if on_device:   # its drafts come to the host with the argmaxes, in one sync
-                best = on_device.read_into(drafts, best)
-            elif best is not None:
-                best = best.tolist()
-            if early is not None:
-                best, committed = best[:early[0].numel()], best[early[0].numel():]
+            best = logits.argmax(-1) if any(greedy) else None   # plain greedy: over every row
+        if on_device:   # its drafts come to the host with the argmaxes, in one sync
+            best = on_device.read_into(drafts, best)
+        elif best is not None:
+            best = best.tolist()
+        committed = None
+        if early is not None:
+            best, committed = best[:early[0].numel()], best[early[0].numel():]
         verdicts = {}
         for (w, k, first), plain in zip(sampled, greedy):
             d = drafts.get(w.seq_id, [])

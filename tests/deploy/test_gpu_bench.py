@@ -18,7 +18,7 @@ def test_bench_small_on_cpu(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["bench", "--small", "--device", "cpu", "--batch-sizes", "1,2", "--iters", "3",
                  "--new-tokens", "12", "--ckpt-dir", str(tmp_path / "ckpt"),
-                 "--methods", "none,mtp=2,dflash=3,ngram=3,ngram@7+fly",
+                 "--methods", "none,mtp=2,dflash=3,ngram=3,ngram@7",
                  "--attention-backend", "torch", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
@@ -32,7 +32,7 @@ def test_bench_small_on_cpu(tmp_path, capsys):
         assert all(v > 0 for v in forward["decode_ms"].values())
         assert set(forward["verify_ms_batch1"]) == {"1", "3", "7", "15"}
         assert all(v > 0 for v in forward["verify_over_decode_batch1"].values())
-        methods = ["none", "mtp=2", "dflash=3", "ngram=3", "ngram@7+fly"] if name == "bundled" \
+        methods = ["none", "mtp=2", "dflash=3", "ngram=3", "ngram@7"] if name == "bundled" \
             else ["none"]
         assert list(m["engine"]) == methods
         for method, runs in m["engine"].items():

@@ -7,7 +7,7 @@ import random
 import pytest
 
 import checkpoints
-from conftest import PROMPTS, record_turns, run_with_arrivals
+from conftest import PROMPTS, run_with_arrivals
 from metrale.cluster.params import SamplingParams
 from metrale.drafting.proposer import Proposal
 from metrale.deploy.llm import LLM
@@ -110,28 +110,6 @@ def test_every_acceptance_length_commits_exactly(checkpoint, name, k, pad):
     assert stats.drafts_accepted > 0 and stats.mean_acceptance_length > 1.25
     if k > 1:
         assert 0 < stats.accepted_at[-1] < stats.proposed_at[-1]
-
-
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
-def test_greedy_rounds_in_flight_take_turns_and_stay_exact(checkpoint, name):
-    """Greedy n-gram rounds kept in flight (as on a GPU worker with graphs; forced here on the
-    CPU, where a round's work is done by the time it returns): the sequences take turns in two
-    plans of half of them, a plan is launched while the other's verdicts are unread, and the
-    tokens stay transformers' with every acceptance length (an oracle proposer, corrupted)."""
-    model_dir = checkpoint(name)
-    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="ngram", num_drafts=3,
-              adaptive_drafts=False, max_num_batched_tokens=24, fly_rounds=True)
-    prompts = [llm.encode(p) for p in PROMPTS]
-    refs = reference(model_dir, prompts)
-    llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
-    assert not llm._pipelined   # no graphs: LLM.step runs one plan at a time...
-    llm._pipelined = True       # ...unless told otherwise
-    turns = record_turns(llm)
-    outs = run_with_arrivals(llm, {0: prompts[:3], 4: prompts[3:]}, GREEDY)
-    assert [o.token_ids for o in outs] == refs
-    assert len(turns) > 10 and all(mine and not mine & other for mine, other in turns)
-    assert llm.scheduler.stats.mean_acceptance_length > 1.25
-    assert not llm._flying and llm.scheduler.in_flight == {}
 
 
 def test_round_k_is_the_minimum_capacity_without_ragged_drafts(checkpoint):

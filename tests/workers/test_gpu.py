@@ -116,29 +116,6 @@ def test_an_engine_thread_launches_while_another_reads(checkpoint):
     assert not worker._flying
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
-def test_greedy_ngram_rounds_fly_in_two_plans(checkpoint, monkeypatch, name):
-    """On the graph path greedy n-gram rounds stay in flight: the sequences take turns in two
-    plans of half of them, one launched while the other's verdicts are unread, those verdicts
-    read from pinned memory once their copy is done; the tokens stay transformers'."""
-    from conftest import PROMPTS, record_turns
-    from metrale.workers import worker as worker_module
-    reads = []
-    read = worker_module.Landed.read
-    monkeypatch.setattr(worker_module.Landed, "read", lambda self: reads.append(1) or read(self))
-    model_dir = checkpoint(name)
-    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=32,
-              speculative_method="ngram", num_drafts=3, fly_rounds=True)
-    assert llm._pipelined and llm.worker.graphs is not None
-    turns = record_turns(llm)
-    prompts = [llm.encode(p) * 2 for p in PROMPTS]   # repeats the n-grams can find
-    refs = [checkpoints.reference_greedy(model_dir, p, 48) for p in prompts]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == refs
-    assert turns and all(mine and not mine & other for mine, other in turns)
-    assert reads and llm.scheduler.stats.rounds > 0
-
-
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
 def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint, monkeypatch,
                                                                      method):
