@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
 
 PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured...
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
 DECAY = 0.95         # per step that observes a position: its history's weight halves in ~14 steps
-COST_DECAY = 0.8     # weight of the old average when a (batch bucket, k) step time is measured
-COST_CLIP = 3.0      # a step time above 3x the average counts as 3x (a stall, not the k's cost);
-                     # one below a third of it replaces it (the average held a stall)
+COST_SAMPLES = 5     # a (batch bucket, k)'s step time is the median of its latest 5 rounds...
+CONFIRMED = 3        # ...and it is settled once 3 have been measured (a stall is then outvoted)
+COST_CLIP = 3.0      # a round above 3x the median counts as 3x; one below a third of it starts
+                     # the rounds kept anew (those held a stall)
 PROBE_EVERY = 8      # a round in 8 runs a neighbour of the best k, so its figures stay current...
 PROBE_MOST = 64      # ...a round in up to 64 while probes keep confirming the best k
+PROBE_GAIN = 1.1     # a probe first re-measures an unsettled k that could beat the best by 10%
 
 
 def batch_bucket(batch: int) -> int:
@@ -19,31 +22,42 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
 
 
-@dataclass
 class StepCost:
-    """Decaying averages of one (batch bucket, k)'s propose and target forward + verify seconds.
-    The first round of a (batch bucket, k) pays one-time costs (kernels compiled for its shapes,
-    CUDA graphs captured on first use), so its figures are replaced by the second round's and
-    only count from then on (`samples`). A stall that lands in the second round anyway (a kernel
-    compiled for a shape seen first then) is replaced by the first round three times faster."""
-    propose_s: float
-    forward_s: float
-    samples: int = 1
+    """One (batch bucket, k)'s propose and target forward + verify seconds: the medians of its
+    latest COST_SAMPLES rounds. The first round of a (batch bucket, k) pays one-time costs
+    (kernels compiled for its shapes, CUDA graphs captured on first use), so it is not one of
+    them (`samples` is 0 until the second). A median lets one stall (a collection, a kernel
+    compiled late) count for nothing once CONFIRMED rounds are measured; until then the k is
+    unsettled, and the policy's probes measure it again (`DraftPolicy.choose`). Before that a
+    round is clipped to COST_CLIP times the median, and one far below it (the earlier rounds
+    were a stall) starts the median anew."""
+
+    def __init__(self, propose_s: float, forward_s: float, samples: int = 1):
+        self._recent: deque[tuple[float, float]] = deque(maxlen=COST_SAMPLES)
+        self.propose_s, self.forward_s, self.samples = propose_s, forward_s, 0
+        for _ in range(samples):
+            self.add(propose_s, forward_s)
+        if not samples:   # the warm-up's figures stand in until a round is measured
+            self.propose_s, self.forward_s = propose_s, forward_s
 
     @property
     def seconds(self) -> float:
         return self.propose_s + self.forward_s
 
+    @property
+    def settled(self) -> bool:
+        return self.samples >= CONFIRMED
+
     def add(self, propose_s: float, forward_s: float) -> None:
-        over = (propose_s + forward_s) / (COST_CLIP * self.seconds) if self.seconds else 0.0
-        if not self.samples or over < 1 / COST_CLIP ** 2:   # a warm-up's figures, or a stall's
-            self.propose_s, self.forward_s = propose_s, forward_s
-        else:
-            if over > 1:
-                propose_s, forward_s = propose_s / over, forward_s / over
-            self.propose_s = COST_DECAY * self.propose_s + (1 - COST_DECAY) * propose_s
-            self.forward_s = COST_DECAY * self.forward_s + (1 - COST_DECAY) * forward_s
+        over = (propose_s + forward_s) / (COST_CLIP * self.seconds) if self.samples else 0.0
+        if over > 1:
+            propose_s, forward_s = propose_s / over, forward_s / over
+        elif self.samples and over < 1 / COST_CLIP ** 2:
+            self._recent.clear()
+        self._recent.append((propose_s, forward_s))
         self.samples += 1
+        self.propose_s = statistics.median(p for p, _ in self._recent)
+        self.forward_s = statistics.median(f for _, f in self._recent)
 
 
 class Probes:
@@ -56,11 +70,14 @@ class Probes:
         self.best: int | None = None
         self.up = False
 
-    def due(self, best: int) -> bool:
+    def due(self, best: int, unsettled: bool = False) -> bool:
+        """Whether this round is a probe; `unsettled`: a k worth measuring again is waiting, so
+        the wait after this probe does not grow."""
         self.left -= 1
         if self.left > 0:
             return False
-        self.wait = min(2 * self.wait, PROBE_MOST) if best == self.best else PROBE_EVERY
+        settled = best == self.best and not unsettled
+        self.wait = min(2 * self.wait, PROBE_MOST) if settled else PROBE_EVERY
         self.best, self.left, self.up = best, self.wait, not self.up
         return True
 
@@ -85,26 +102,53 @@ class DraftPolicy:
 
     def choose(self, batch: int) -> int:
         """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
-        Now and then a round tries the best k's neighbour, alternately above and below, so a k
-        that lost once (0 included) is measured again and can win back (see Probes)."""
+        Now and then a round is a probe (see Probes). One slow round must not rule a k out for
+        good, so a probe first measures again an unsettled k (fewer than CONFIRMED rounds
+        measured) that could win: one that would beat the best k's rate by PROBE_GAIN if its
+        drafts cost no more than a cheaper k measured. Otherwise it tries the best k's
+        neighbour, alternately above and below, so a k that lost (0 included) is measured
+        again and can win back."""
         if not self.adaptive:
             return self.max_drafts
         bucket = batch_bucket(batch)
-        k = self.best(bucket)
+        rates = self.rates(bucket)
+        k = self.best(bucket, rates)
+        unsettled = self._could_win(bucket, k, rates[k])
         probes = self.probes.setdefault(bucket, Probes())
-        self.probed = probes.due(k)
-        if self.probed:
+        self.probed = probes.due(k, bool(unsettled))
+        if self.probed and unsettled:
+            k = unsettled[0]
+        elif self.probed:
             k = k + 1 if (probes.up and k < self.max_drafts) or k == 0 else k - 1
         self.chosen[bucket] = self.last_k = k
         return k
 
-    def best(self, bucket: int) -> int:
-        """The k with the most expected tokens per second; max_drafts before any step is timed."""
+    def _could_win(self, bucket: int, best: int, rate: float) -> list[int]:
+        """The bucket's unsettled ks other than `best` that could beat `rate`, the likeliest
+        first: each at the expected tokens of its drafts over the least time measured at a k
+        at or below it, as if the drafts beyond that k were free."""
+        own = {m: c.seconds for m, c in self.costs.get(bucket, {}).items() if c.samples}
+        rated = []
+        for m, c in self.costs.get(bucket, {}).items():
+            cheapest = min((s for j, s in own.items() if j <= m), default=None)
+            if m != best and not c.settled and cheapest:
+                rated.append((self.expected_tokens(m) / cheapest, m))
+        return [m for r, m in sorted(rated, reverse=True) if r > PROBE_GAIN * rate]
+
+    def rates(self, bucket: int) -> list[float]:
+        """Expected tokens per second of each k, 0..max_drafts; all equal before any step of
+        this bucket (or a neighbour) is timed."""
         table = self._cost_table(bucket)
         if not table:
+            return [1.0] * (self.max_drafts + 1)
+        return [self.expected_tokens(k) / self.step_seconds(table, k)
+                for k in range(self.max_drafts + 1)]
+
+    def best(self, bucket: int, rates: list[float] | None = None) -> int:
+        """The k with the most expected tokens per second; max_drafts before any step is timed."""
+        if not self._cost_table(bucket):
             return self.max_drafts
-        rates = [self.expected_tokens(k) / self.step_seconds(table, k)
-                 for k in range(self.max_drafts + 1)]
+        rates = rates or self.rates(bucket)
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     def expected_tokens(self, k: int) -> float:
@@ -181,6 +225,7 @@ class DraftPolicy:
                 "acceptance_at": [round(a, 4) for a in self.acceptance_at()],
                 "k_by_batch": {b: self.chosen[b] for b in sorted(self.chosen)},
                 "step_ms_by_batch": {b: {k: {"propose": round(c.propose_s * 1e3, 3),
-                                             "forward": round(c.forward_s * 1e3, 3)}
+                                             "forward": round(c.forward_s * 1e3, 3),
+                                             "rounds": c.samples}
                                          for k, c in sorted(t.items())}
                                      for b, t in sorted(self.costs.items())}}

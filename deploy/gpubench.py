@@ -173,7 +173,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             "acceptance": (stats.drafts_accepted / stats.drafts_proposed
                            if stats.drafts_proposed else None),
             "mean_acceptance_length": stats.mean_acceptance_length if stats.rounds else None,
-            "spec": stats.as_dict()}
+            "spec": stats.as_dict(), "draft_policy": sched.drafts.as_dict()}
 
 
 def steady_run(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
