@@ -127,12 +127,15 @@ class DraftPolicy:
         """The bucket's unsettled ks other than `best` that could beat `rate`, the likeliest
         first: each at the expected tokens of its drafts over the least time measured at a k
         at or below it, as if the drafts beyond that k were free."""
-        own = {m: c.seconds for m, c in self.costs.get(bucket, {}).items() if c.samples}
-        rated = []
-        for m, c in self.costs.get(bucket, {}).items():
+        costs = self.costs.get(bucket, {})
+        if all(c.settled for c in costs.values()):
+            return []
+        own = {m: c.seconds for m, c in costs.items() if c.samples}
+        tokens, rated = self._expected_tokens(), []
+        for m, c in costs.items():
             cheapest = min((s for j, s in own.items() if j <= m), default=None)
             if m != best and not c.settled and cheapest:
-                rated.append((self.expected_tokens(m) / cheapest, m))
+                rated.append((tokens[m] / cheapest, m))
         return [m for r, m in sorted(rated, reverse=True) if r > PROBE_GAIN * rate]
 
     def rates(self, bucket: int) -> list[float]:
@@ -141,8 +144,8 @@ class DraftPolicy:
         table = self._cost_table(bucket)
         if not table:
             return [1.0] * (self.max_drafts + 1)
-        return [self.expected_tokens(k) / self.step_seconds(table, k)
-                for k in range(self.max_drafts + 1)]
+        return [tokens / self.step_seconds(table, k)
+                for k, tokens in enumerate(self._expected_tokens())]
 
     def best(self, bucket: int, rates: list[float] | None = None) -> int:
         """The k with the most expected tokens per second; max_drafts before any step is timed."""
@@ -154,11 +157,15 @@ class DraftPolicy:
     def expected_tokens(self, k: int) -> float:
         """Committed tokens per sequence of a round of k drafts: the bonus or replacement token,
         plus draft i when it and every draft before it are accepted."""
-        total, reach = 1.0, 1.0
-        for a in self.acceptance_at()[:k]:
+        return self._expected_tokens()[k]
+
+    def _expected_tokens(self) -> list[float]:
+        """expected_tokens(k) for every k, 0..max_drafts."""
+        out, reach = [1.0], 1.0
+        for a in self.acceptance_at():
             reach *= a
-            total += reach
-        return total
+            out.append(out[-1] + reach)
+        return out
 
     def acceptance_at(self) -> list[float]:
         return [(acc + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
@@ -183,13 +190,14 @@ class DraftPolicy:
     def _cost_table(self, bucket: int) -> dict[int, StepCost]:
         """The bucket's measurements, or those of the nearest measured bucket until it has some
         (a k's first round, its warm-up, is not a measurement)."""
-        tables = {b: {k: c for k, c in t.items() if c.samples} for b, t in self.costs.items()}
-        if tables.get(bucket):
-            return tables[bucket]
-        measured = [b for b, t in tables.items() if t]
+        own = {k: c for k, c in self.costs.get(bucket, {}).items() if c.samples}
+        if own:
+            return own
+        measured = [b for b, t in self.costs.items() if any(c.samples for c in t.values())]
         if not measured:
             return {}
-        return tables[min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))]
+        nearest = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+        return {k: c for k, c in self.costs[nearest].items() if c.samples}
 
     # -- measurements -------------------------------------------------------------------
 
