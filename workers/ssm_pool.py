@@ -78,11 +78,13 @@ class SSMSlotPool:
         self.conv[:, idx] = 0
         self.state[:, idx] = 0
 
-    def capture_commits(self, buckets: list[int], spare_slot: int) -> None:
+    def capture_commits(self, buckets: list[int], spare_slot: int, max_length: int = 1) -> None:
         """Commits by replay, for up to buckets[-1] slots: the commit kernel captured per bucket
         of slots over a static index, whose padding pairs copy `spare_slot`'s first entry into
         it (the CUDA graphs' padding slot, whose state no sequence reads). On the GPU machine a
-        launch with its index cost the host 104-129 us, a replay with its index 66-77 us."""
+        launch with its index cost the host 104-129 us, a replay with its index 66-77 us. The
+        greedy commit's counting kernel (`commit_greedy`) is compiled here too, for verifies of
+        up to `max_length` rows: compiled in a round, it cost that round 60-100 ms."""
         self.commit_buckets, self.commit_pad = buckets, (spare_slot, self.offset[spare_slot])
         self.commit_index = torch.tensor([[self.commit_pad[0]], [self.commit_pad[1]]],
                                          device=self.conv.device).repeat(1, buckets[-1])
@@ -90,6 +92,12 @@ class SSMSlotPool:
             self.commits[bucket] = capture(lambda b=bucket: kernels.commit_states(
                 self.conv, self.state, self.verify_conv, self.verify_state,
                 self.commit_index[:, :b]), None)[0]
+        one = torch.tensor([0], device=self.conv.device)
+        scratch = torch.empty(2, 1, dtype=torch.long, device=self.conv.device)
+        for length in range(2, max_length + 1):   # one compile per power of two of drafts
+            ids = torch.zeros(length, dtype=torch.long, device=self.conv.device)
+            kernels.greedy_accept(ids, ids, one, one, self.offsets, scratch, length,
+                                  self.commit_pad)
 
     def commit(self, slots: list[int], accepted: list[int]) -> None:
         """After a verify: each slot's state is its entry `accepted` (the drafts it accepted),

@@ -230,7 +230,8 @@ class Worker:
             log.info("captured %d CUDA graphs in %.1fs", len(self.graphs.graphs),
                      time.perf_counter() - start)
         if self.graphs is not None and p is not None and self.ssm is not None:
-            self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots)   # tiny: always now
+            self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots,    # tiny: always now
+                                     max_length=config.max_drafts + 1)
         if config.warmup_prefill_rows and self.device.type == "cuda":
             start = time.perf_counter()
             rows = self.warm_up(config.warmup_prefill_rows)

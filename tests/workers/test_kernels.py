@@ -194,7 +194,7 @@ def test_ssm_commit_kernel_takes_each_slots_accepted_entry(dtype, captured):
     assert torch.equal(pool.conv, conv) and torch.equal(pool.state, state)
 
 
-@pytest.mark.parametrize("length", [2, 4, 8])
+@pytest.mark.parametrize("length", [2, 3, 4, 6, 8])
 def test_greedy_accept_counts_what_greedy_verdict_finds(length):
     """The device's accepted counts for a greedy verify equal greedy_verdict's for each
     sequence, whatever filler follows its real drafts (here filler that matches); the commit
@@ -225,6 +225,23 @@ def test_greedy_accept_counts_what_greedy_verdict_finds(length):
     assert index[1, :pairs].tolist() == [offsets[s] + a for s, a in zip(slots, want)] + \
         [45] * (pairs - n)
     assert (index[:, pairs:] == -1).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels: CUDA only")
+def test_greedy_accept_compiles_at_start_up_not_in_a_round():
+    """capture_commits compiles the counting kernel for every verify length up to its
+    max_length; a round then compiles nothing, whatever its k, batch or padding."""
+    pool = SSMSlotPool(2, 9, 40, 4, 4, 32, 24, torch.float32, torch.device(DEVICE),
+                       [8] * 8 + [1], use_kernels=True)
+    pool.capture_commits([1, 2, 4, 8], spare_slot=8, max_length=9)
+    compiled = kernels._greedy_accept_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(compiled)
+    assert before == 4   # L_PAD 1, 2, 4 and 8
+    for length in range(2, 10):
+        for n in (1, 3, 8):
+            ids = torch.zeros(n * length, dtype=torch.long, device=DEVICE)
+            pool.commit_greedy(ids, ids, [length - 1] * n, list(range(n)), length)
+    assert len(compiled) == before
 
 
 def verify_offsets(slot_ids, n_slots, length, first):

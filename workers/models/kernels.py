@@ -188,11 +188,14 @@ if triton is not None:
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
-    @triton.jit
+    # Launched each greedy round outside the graphs: no argument that changes with the round's
+    # k or batch is a constexpr or specialised, so the kernel compiles per L_PAD alone, at
+    # start-up (SSMSlotPool.capture_commits), never inside a round.
+    @triton.jit(do_not_specialize=["index_stride", "n", "pad_slot", "pad_entry", "length"])
     def _greedy_accept_kernel(ids_ptr, best_ptr, drafts_ptr, slots_ptr, offsets_ptr, index_ptr,
-                              accepted_ptr, index_stride, n, pad_slot, pad_entry,
-                              LENGTH: tl.constexpr, L_PAD: tl.constexpr, PDL: tl.constexpr):
-        """Program i < n: sequence i's rows i*LENGTH.. hold its pending token and drafts; it
+                              accepted_ptr, index_stride, n, pad_slot, pad_entry, length,
+                              L_PAD: tl.constexpr, PDL: tl.constexpr):
+        """Program i < n: sequence i's rows i*length.. hold its pending token and drafts; it
         accepts drafts while draft j (row j + 1) is the argmax of row j, among its first
         drafts[i] (rows after them are filler). Writes the count, and the commit's pair (slot,
         its verify entry after the accepted drafts). Programs i >= n write the padding pair."""
@@ -202,8 +205,8 @@ if triton is not None:
             d = tl.load(drafts_ptr + i)
             j = tl.arange(0, L_PAD)
             real = j < d
-            draft = tl.load(ids_ptr + i * LENGTH + 1 + j, mask=real, other=0)
-            best = tl.load(best_ptr + i * LENGTH + j, mask=real, other=0)
+            draft = tl.load(ids_ptr + i * length + 1 + j, mask=real, other=0)
+            best = tl.load(best_ptr + i * length + j, mask=real, other=0)
             accepted = tl.min(tl.where(real & (draft != best), j, d))
             slot = tl.load(slots_ptr + i)
             tl.store(accepted_ptr + i, accepted)
@@ -613,7 +616,7 @@ def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
     n, pairs = drafts.shape[0], index.shape[1]
     accepted = torch.empty(n, dtype=torch.long, device=ids.device)
     _greedy_accept_kernel[(pairs,)](ids, best, drafts, slots, offsets, index, accepted,
-                                    index.stride(0), n, pad[0], pad[1], LENGTH=length,
+                                    index.stride(0), n, pad[0], pad[1], length,
                                     L_PAD=_pow2(max(length - 1, 1)), **_pdl(), num_warps=1)
     return accepted
 
