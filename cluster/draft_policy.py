@@ -104,8 +104,8 @@ class DraftPolicy:
         """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
         Now and then a round is a probe (see Probes). One slow round must not rule a k out for
         good, so a probe first measures again an unsettled k (fewer than CONFIRMED rounds
-        measured) that could win: one that would beat the best k's rate by PROBE_GAIN if its
-        drafts cost no more than a cheaper k measured. Otherwise it tries the best k's
+        measured) that could win: one that would beat the best k's rate by PROBE_GAIN if it
+        cost no more than the nearest smaller k measured. Otherwise it tries the best k's
         neighbour, alternately above and below, so a k that lost (0 included) is measured
         again and can win back."""
         if not self.adaptive:
@@ -125,17 +125,17 @@ class DraftPolicy:
 
     def _could_win(self, bucket: int, best: int, rate: float) -> list[int]:
         """The bucket's unsettled ks other than `best` that could beat `rate`, the likeliest
-        first: each at the expected tokens of its drafts over the least time measured at a k
-        at or below it, as if the drafts beyond that k were free."""
+        first: each at the expected tokens of its drafts over the time measured at the nearest
+        smaller k, as if the drafts beyond that k were free."""
         costs = self.costs.get(bucket, {})
         if all(c.settled for c in costs.values()):
             return []
-        own = {m: c.seconds for m, c in costs.items() if c.samples}
+        measured = {m: c.seconds for m, c in costs.items() if c.samples}
         tokens, rated = self._expected_tokens(), []
         for m, c in costs.items():
-            cheapest = min((s for j, s in own.items() if j <= m), default=None)
-            if m != best and not c.settled and cheapest:
-                rated.append((tokens[m] / cheapest, m))
+            below = max((j for j in measured if j < m), default=None)
+            if m != best and not c.settled and below is not None:
+                rated.append((tokens[m] / measured[below], m))
         return [m for r, m in sorted(rated, reverse=True) if r > PROBE_GAIN * rate]
 
     def rates(self, bucket: int) -> list[float]:
