@@ -189,9 +189,12 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
     # Launched each greedy round outside the graphs: no argument that changes with the round's
-    # k or batch is a constexpr or specialised, so the kernel compiles per L_PAD alone, at
-    # start-up (SSMSlotPool.capture_commits), never inside a round.
-    @triton.jit(do_not_specialize=["index_stride", "n", "pad_slot", "pad_entry", "length"])
+    # k or batch is a constexpr or specialised (a pointer's alignment included: the slots follow
+    # n drafts in one buffer), so the kernel compiles per L_PAD alone, at start-up
+    # (SSMSlotPool.capture_commits), never inside a round.
+    @triton.jit(do_not_specialize=["ids_ptr", "best_ptr", "drafts_ptr", "slots_ptr",
+                                   "offsets_ptr", "index_ptr", "accepted_ptr", "index_stride",
+                                   "n", "pad_slot", "pad_entry", "length"])
     def _greedy_accept_kernel(ids_ptr, best_ptr, drafts_ptr, slots_ptr, offsets_ptr, index_ptr,
                               accepted_ptr, index_stride, n, pad_slot, pad_entry, length,
                               L_PAD: tl.constexpr, PDL: tl.constexpr):
