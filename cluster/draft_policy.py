@@ -34,11 +34,10 @@ class StepCost:
 
     def __init__(self, propose_s: float, forward_s: float, samples: int = 1):
         self._recent: deque[tuple[float, float]] = deque(maxlen=COST_SAMPLES)
+        # the warm-up's figures stand in until a round is measured
         self.propose_s, self.forward_s, self.samples = propose_s, forward_s, 0
         for _ in range(samples):
             self.add(propose_s, forward_s)
-        if not samples:   # the warm-up's figures stand in until a round is measured
-            self.propose_s, self.forward_s = propose_s, forward_s
 
     @property
     def seconds(self) -> float:
