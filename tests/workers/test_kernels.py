@@ -234,7 +234,10 @@ def test_greedy_accept_compiles_at_start_up_not_in_a_round():
     pool = SSMSlotPool(2, 9, 40, 4, 4, 32, 24, torch.float32, torch.device(DEVICE),
                        [8] * 8 + [1], use_kernels=True)
     pool.capture_commits([1, 2, 4, 8], spare_slot=8, max_length=9)
-    compiled = kernels._greedy_accept_kernel.device_caches[torch.cuda.current_device()][0]
+    caches = getattr(kernels._greedy_accept_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere (read: device_caches)")
+    compiled = caches[torch.cuda.current_device()][0]
     before = len(compiled)
     assert before == 4   # L_PAD 1, 2, 4 and 8
     for length in range(2, 10):
