@@ -345,8 +345,11 @@ class Worker:
             self._read_flights(self._flying[0])
         _, _, logits = self.graphs.run(layout, patch, keep_hidden=False)
         best = logits.argmax(-1)
-        host, done = self._to_host(self._landing, self._launches, best)
+        host = self._landing[self._launches % FLIGHTS][:len(work)]
         self._launches += 1
+        host.copy_(best, non_blocking=True)   # a copy in stream order, read on the host later
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
         flight = InFlight(self, work, best, host, done, start)
         self._flying.append(flight)
         return flight
@@ -416,16 +419,6 @@ class Worker:
             self.proposer.commit(committed)
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
-
-    def _to_host(self, ring: list[torch.Tensor], turn: int, values: torch.Tensor):
-        """`values` copied in stream order into pinned slot `turn` (mod FLIGHTS) of `ring`, and
-        the event after which the host may read them (reading the device tensor itself would
-        wait behind every step launched since)."""
-        host = ring[turn % FLIGHTS][:values.numel()]
-        host.copy_(values, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        return host, done
 
     def _execute_steps(self, plan: StepPlan) -> StepResult:
         """A plan of decode steps in a row (`SeqWork.steps`, plain decoding): step i runs every
