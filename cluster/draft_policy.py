@@ -112,7 +112,7 @@ class DraftPolicy:
         bucket = batch_bucket(batch)
         rates = self.rates(bucket)
         k = self.best(bucket, rates)
-        unsettled = self._could_win(bucket, k, rates[k])
+        unsettled = self._could_win(bucket, k, rates[k]) if rates else []
         probes = self.probes.setdefault(bucket, Probes())
         self.probed = probes.due(k, bool(unsettled))
         if self.probed and unsettled:
@@ -137,20 +137,21 @@ class DraftPolicy:
                 rated.append((tokens[m] / measured[below], m))
         return [m for r, m in sorted(rated, reverse=True) if r > PROBE_GAIN * rate]
 
-    def rates(self, bucket: int) -> list[float]:
-        """Expected tokens per second of each k, 0..max_drafts; all equal before any step of
-        this bucket (or a neighbour) is timed."""
+    def rates(self, bucket: int) -> list[float] | None:
+        """Expected tokens per second of each k, 0..max_drafts; None before any step of this
+        bucket (or a neighbour) is timed."""
         table = self._cost_table(bucket)
         if not table:
-            return [1.0] * (self.max_drafts + 1)
+            return None
         return [tokens / self.step_seconds(table, k)
                 for k, tokens in enumerate(self._expected_tokens())]
 
     def best(self, bucket: int, rates: list[float] | None = None) -> int:
-        """The k with the most expected tokens per second; max_drafts before any step is timed."""
-        if not self._cost_table(bucket):
-            return self.max_drafts
+        """The k with the most expected tokens per second (`rates`, when the caller has them);
+        max_drafts before any step is timed."""
         rates = rates or self.rates(bucket)
+        if rates is None:
+            return self.max_drafts
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     def expected_tokens(self, k: int) -> float:
