@@ -517,19 +517,14 @@ class Worker:
         length = layout.uniform_length
         if (self.ssm is None or self.graphs is None or logits is None or not length
                 or length < 2 or not all(s.verify for s in layout.seqs)
-                or not self._plain_greedy_decoding(work)):
+                or not all(len(w.tokens) == 1 and w.sample is not None
+                           and self._plain_greedy(w) for w in work)):
             return None
         best = logits.argmax(-1)
         accepted = self.ssm.commit_greedy(
             self.graphs.input_ids(len(work) * length), best,
             [len(drafts.get(w.seq_id, ())) for w in work], [w.slot for w in work], length)
         return None if accepted is None else (best, accepted)
-
-    def _plain_greedy_decoding(self, work: list[SeqWork]) -> bool:
-        """Whether every sequence of a step decodes (its one pending token, drafts after it)
-        and its verdict is its argmaxes alone."""
-        return bool(work) and all(len(w.tokens) == 1 and w.sample is not None
-                                  and self._plain_greedy(w) for w in work)
 
     def _plain_greedy(self, w: SeqWork) -> bool:
         """Whether a sampling sequence's verdict is its argmaxes alone: greedy, without logprobs
