@@ -3,14 +3,18 @@ given (injected here, never timed), explores back after choosing 0, and only cha
 
 from __future__ import annotations
 
+import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
-from conftest import PROMPTS
+import checkpoints
+
+from conftest import PROMPTS, OracleProposer
 from metrale.cluster.draft_policy import PROBE_EVERY, PROBE_MOST, DraftPolicy, StepCost
 from metrale.cluster.params import SamplingParams
-from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
+from metrale.cluster.plan import AHEAD, SeqOutcome, StepResult, WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
 from metrale.deploy.llm import LLM, load_tokenizer
 
@@ -166,10 +170,11 @@ def test_fixed_mode_always_answers_num_drafts():
 
 # -- the scheduler plans with the policy's k, within each sequence's limits ---------------------
 
-def scheduler(checkpoint, slot_capacity, **config):
+def scheduler(checkpoint, slot_capacity, undrafted_ahead=False, **config):
     capacity = WorkerCapacity(num_blocks=64, block_size=4, num_slots=len(slot_capacity),
                               max_model_len=256, vocab_size=384, eos_token_ids=(0,),
-                              hybrid=False, proposer="ngram", slot_capacity=slot_capacity)
+                              hybrid=False, proposer="ngram", slot_capacity=slot_capacity,
+                              undrafted_ahead=undrafted_ahead)
     return Scheduler(SchedulerConfig(**config), capacity, load_tokenizer(checkpoint("qwen3")))
 
 
@@ -226,6 +231,48 @@ def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):
     assert cost.samples == 1 and cost.propose_s == 0.001 and cost.forward_s >= 0.049
 
 
+def test_rounds_without_drafts_are_planned_ahead_and_a_k_chosen_meanwhile_waits(checkpoint):
+    """On a worker whose rounds without drafts launch without a host sync (`undrafted_ahead`),
+    a round the policy gives k = 0 is planned before the result of the one in flight, its rows
+    the tokens that one samples (AHEAD), as plain decoding's steps are. A k above 0 chosen then
+    waits for the results, is kept rather than chosen again, and nothing is planned ahead of a
+    round with drafts. The time of a step planned ahead runs from the update before."""
+    import time
+    s = scheduler(checkpoint, (4, 4), undrafted_ahead=True, num_drafts=4)
+    assert s.plans_ahead and s.share(2) is None
+    for i in range(2):
+        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    step(s)   # prefill
+    choices = []
+
+    def choose(batch):
+        choices.append(batch)
+        return ks.pop(0)
+    s.drafts.choose = choose
+
+    def done(plan, wait=0.0):
+        time.sleep(wait)
+        s.update(plan, StepResult([SeqOutcome(w.seq_id, [7], w.num_drafts, 0)
+                                   for w in plan.work], 0.0, 1.0))
+    ks = [0, 0, 4]
+    first = s.schedule()
+    assert [(w.tokens, w.num_drafts) for w in first.work] == [([7], 0), ([7], 0)]
+    ahead = s.schedule()   # planned before `first`'s result
+    assert [(w.tokens, w.num_drafts) for w in ahead.work] == [([AHEAD], 0), ([AHEAD], 0)]
+    assert [w.context_len for w in ahead.work] == [w.context_len + 1 for w in first.work]
+    done(first)
+    assert s.schedule().work == [] and choices == [2, 2, 2]   # k = 4 waits for `ahead`
+    done(ahead, 0.02)
+    # the time of the step made ahead: from the update before (not its worker's 1 s)
+    assert 0.015 < s.drafts.costs[2][0].forward_s < 0.5
+    drafted = s.schedule()
+    assert [w.num_drafts for w in drafted.work] == [4, 4] and len(choices) == 3
+    ks = [0]
+    assert s.schedule().work == []   # no row is planned ahead of a round with drafts
+    done(drafted)
+    assert [w.tokens for w in s.schedule().work] == [[7], [7]]
+
+
 def test_fixed_drafts_switch(checkpoint):
     s = scheduler(checkpoint, (4,), num_drafts=3, adaptive_drafts=False)
     s.add_request("r", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
@@ -257,3 +304,28 @@ def test_adaptive_greedy_output_equals_plain_decoding(checkpoint, dflash_drafter
     assert {0, 3} <= ks                         # the most first, then 0 once that was timed
     costs = [c for table in llm.scheduler.drafts.costs.values() for c in table.values()]
     assert costs and all(c.forward_s > 0 for c in costs)
+
+
+def test_rounds_planned_ahead_between_drafted_ones_keep_the_reference_tokens(checkpoint):
+    """The engine loop with rounds without drafts planned ahead (as a graph worker with an
+    n-gram proposer runs it), the policy's k forced through 0s and drafts in turn: transformers'
+    tokens, and the history the proposer reads is exact at every round (the oracle fails on a
+    token missing or extra)."""
+    model_dir = checkpoint("qwen3_5")
+    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="ngram", num_drafts=3,
+              max_num_batched_tokens=16)
+    capacity = replace(llm.worker.capacity, undrafted_ahead=True)
+    llm.scheduler = Scheduler(llm.scheduler.config, capacity, llm.tokenizer)
+    llm._pipelined = True   # launches as LLM does for a graph worker
+    ks = itertools.cycle([0, 0, 0, 3, 0, 2, 2, 0, 0, 1])
+    llm.scheduler.drafts.choose = lambda batch: next(ks)
+    prompts = [llm.encode(p) for p in PROMPTS]
+    refs = [checkpoints.reference_greedy(model_dir, p, 40) for p in prompts]
+    llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
+    plans, launch = [], llm.worker.launch
+    llm.worker.launch = lambda plan: plans.append(plan) or launch(plan)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    ahead = [p for p in plans if any(w.tokens == [AHEAD] for w in p.work)]
+    assert len(ahead) >= 5 and not any(w.num_drafts for p in ahead for w in p.work)
+    assert llm.scheduler.stats.drafts_accepted > 0
