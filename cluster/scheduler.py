@@ -221,8 +221,7 @@ class Scheduler:
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
-        decoding = sum(s.num_pending == 1 for s in idle)
-        k_round = self._round_k(decoding, prefill_only)
+        k_round = self._round_k([s.seq_id for s in idle if s.num_pending == 1], prefill_only)
         for seq in idle:
             if budget == 0:
                 break
@@ -271,26 +270,26 @@ class Scheduler:
                 self.drafting.add(w.seq_id)
         return work
 
-    def _round_k(self, decoding: int, prefill_only: bool) -> int:
+    def _round_k(self, decoding: list[int], prefill_only: bool) -> int:
         """The draft policy's k for a round of the `decoding` idle sequences and, when rounds
         without drafts are planned ahead, the sequences whose plain step is in flight (which join
         it at k = 0). A k above 0 waits for those steps' results: it is kept for the next plan
         instead of being chosen again, so a probe is not lost to the wait."""
         if not self.num_drafts or prefill_only:
             return 0
-        flying = self._aheadable() if self.plans_ahead else 0
+        flying = self._aheadable() if self.plans_ahead else []
         if not decoding and not flying:
             return 0
-        k, self._next_k = (self._next_k if self._next_k is not None
-                           else self.drafts.choose(decoding + flying)), None
+        k, self._next_k = (self._next_k if self._next_k is not None else self.drafts.choose(
+            len(decoding) + len(flying), decoding + flying, ahead=bool(flying))), None
         if k and not decoding:
             self._next_k = k
         return k
 
-    def _aheadable(self) -> int:
-        """Sequences with one plain decode step in flight (`_ahead` may plan them)."""
-        return sum(1 for s in self.running if self.in_flight.get(s.seq_id) == 1
-                   and s.num_pending == 1 and s.seq_id not in self.drafting)
+    def _aheadable(self) -> list[int]:
+        """The sequences with one plain decode step in flight (`_ahead` may plan them)."""
+        return [s.seq_id for s in self.running if self.in_flight.get(s.seq_id) == 1
+                and s.num_pending == 1 and s.seq_id not in self.drafting]
 
     def _decode_steps(self, seq: Sequence, flying: int) -> int:
         """Decode steps in a row for a plan of the sequence after `flying` tokens in flight:
@@ -462,16 +461,21 @@ class Scheduler:
         runs from planning to the end of this update, so it holds the host's work per step and
         per token (planning, transport, detokenising, stop checks) beside the worker's; for a
         plan made ahead, whose planning overlapped the step before, from the end of the update
-        before (steps in a row then cost what one adds)."""
+        before (steps in a row then cost what one adds). Where rounds without drafts are planned
+        ahead, only such rounds time k = 0: one that is not waited for the round before it."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
             return
-        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
+        self.drafts.record_acceptance([(w.seq_id, w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
             now = self.clock()
-            if self._updated_at is not None and self._updated_at > plan.planned_at:
+            ahead = self._updated_at is not None and self._updated_at > plan.planned_at
+            if self.capacity.undrafted_ahead and not ahead and not any(
+                    w.num_drafts for w in plan.work):
+                return   # k = 0 runs in a row here, planned ahead: its time is that of those
+            if ahead:
                 forward_s = max(now - self._updated_at - result.propose_s, 0.0)   # (its time
             else:                                         # on the worker held a wait too)
                 span = now - plan.planned_at if plan.planned_at else 0.0
@@ -544,6 +548,7 @@ class Scheduler:
         if seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        self.drafts.forget(seq.seq_id)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def _release(self, seq: Sequence) -> None:

@@ -38,11 +38,11 @@ def simulate(policy, rounds, batch, accept, cost, rng):
         k = policy.choose(batch)
         ks.append((k, policy.probed))
         outcomes = []
-        for _ in range(batch):
+        for i in range(batch):
             j = 0
             while j < k and rng.random() < accept:
                 j += 1
-            outcomes.append((k, j))
+            outcomes.append((i, k, j))
         policy.record_acceptance(outcomes)
         policy.record_cost(batch, batch * k, *cost(batch, k))
     return ks
@@ -127,7 +127,7 @@ def test_speculation_comes_back_when_acceptance_recovers():
 
 def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accepted():
     policy = DraftPolicy(3)
-    policy.record_acceptance([(3, 0), (3, 1), (3, 3), (1, 1), (0, 0)])
+    policy.record_acceptance([(1, 3, 0), (2, 3, 1), (3, 3, 3), (4, 1, 1), (5, 0, 0)])
     assert policy.tried == [4, 2, 1]
     assert policy.accepted == [3, 1, 1]
 
@@ -159,6 +159,44 @@ def test_a_ks_first_round_is_a_warm_up_and_a_stall_is_clipped_then_outvoted():
     for seconds in (0.5, 0.4, 0.004):             # warm-up, a second stall, then the real cost
         stalled.record_cost(1, 2, 0.0, seconds)
     assert stalled.costs[1][2].seconds == pytest.approx(0.004)
+
+
+def test_sequences_that_accept_least_stop_drafting_before_the_others():
+    """Each sequence's own first-draft acceptance scales what a round's drafts gain: a round of
+    the two sequences that never accepted a draft (a static batch's tail) runs without drafts,
+    while one of those that accept, at the same measured costs, drafts; so does the whole
+    batch, whose mean is everyone's. A finished sequence's counts go."""
+    policy = DraftPolicy(3)
+    for _ in range(10):
+        policy.record_acceptance([(i, 3, 3) for i in range(8)] + [(8, 3, 0), (9, 3, 0)])
+    for _ in range(4):   # a k's first round is its warm-up
+        policy.record_cost(2, 0, 0.0, 0.0010)
+        policy.record_cost(2, 6, 0.0, 0.0015)
+    rate = policy.rates
+    assert policy.best(2, rate(2, policy.gain([0, 1]))) == 3
+    assert policy.best(2, rate(2, policy.gain(list(range(10))))) == 3
+    assert policy.gain([8, 9]) < 0.25
+    assert policy.best(2, rate(2, policy.gain([8, 9]))) == 0
+    assert policy.best(2, rate(2)) == 3   # everyone's rates alone would draft
+    policy.forget(8)
+    assert 8 not in policy.first and policy.gain([8]) == 1.0
+
+
+def test_a_probe_of_no_drafts_takes_the_round_planned_ahead_of_it_too():
+    """Where rounds of k = 0 are planned ahead of each other, the round after a probe of k = 0
+    is of k = 0 as well (its time is that of k = 0 in a row), and the probe schedule does not
+    move for it."""
+    policy = DraftPolicy(1)
+    for _ in range(4):
+        policy.record_acceptance([(7, 1, 1)])
+        policy.record_cost(1, 0, 0.0, 0.001)
+        policy.record_cost(1, 1, 0.0, 0.001)
+    ks = [(policy.choose(1), policy.probed) for _ in range(PROBE_EVERY)]
+    assert ks[-1] == (0, True) and all(k == 1 for k, _ in ks[:-1])
+    left = policy.probes[1].left
+    assert policy.choose(1, [7], ahead=True) == 0 and not policy.probed
+    assert policy.probes[1].left == left
+    assert policy.choose(1, [7], ahead=True) == 1   # the probe is over
 
 
 def test_fixed_mode_always_answers_num_drafts():
@@ -245,7 +283,7 @@ def test_rounds_without_drafts_are_planned_ahead_and_a_k_chosen_meanwhile_waits(
     step(s)   # prefill
     choices = []
 
-    def choose(batch):
+    def choose(batch, seq_ids, ahead):
         choices.append(batch)
         return ks.pop(0)
     s.drafts.choose = choose
@@ -318,7 +356,7 @@ def test_rounds_planned_ahead_between_drafted_ones_keep_the_reference_tokens(che
     llm.scheduler = Scheduler(llm.scheduler.config, capacity, llm.tokenizer)
     llm._pipelined = True   # launches as LLM does for a graph worker
     ks = itertools.cycle([0, 0, 0, 3, 0, 2, 2, 0, 0, 1])
-    llm.scheduler.drafts.choose = lambda batch: next(ks)
+    llm.scheduler.drafts.choose = lambda *_, **__: next(ks)
     prompts = [llm.encode(p) for p in PROMPTS]
     refs = [checkpoints.reference_greedy(model_dir, p, 40) for p in prompts]
     llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])

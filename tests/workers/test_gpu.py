@@ -100,7 +100,7 @@ def test_rounds_without_drafts_fly_between_n_gram_rounds(checkpoint, monkeypatch
               speculative_method="ngram", num_drafts=3)
     assert llm.worker.capacity.undrafted_ahead and llm.scheduler.plans_ahead
     ks = itertools.cycle([0, 0, 0, 3, 0, 2, 2, 0, 0, 0, 1])
-    llm.scheduler.drafts.choose = lambda batch: next(ks)
+    llm.scheduler.drafts.choose = lambda *_, **__: next(ks)
     prompts = [llm.encode(p) for p in PROMPTS[:3]]
     prompts.append(prompts[0][:1])
     lengths = [40, 23, 31, 36]
