@@ -472,8 +472,7 @@ class Scheduler:
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
             now = self.clock()
             ahead = self._updated_at is not None and self._updated_at > plan.planned_at
-            if self.capacity.undrafted_ahead and not ahead and not any(
-                    w.num_drafts for w in plan.work):
+            if self.plans_ahead and not ahead and not any(w.num_drafts for w in plan.work):
                 return   # k = 0 runs in a row here, planned ahead: its time is that of those
             if ahead:
                 forward_s = max(now - self._updated_at - result.propose_s, 0.0)   # (its time
