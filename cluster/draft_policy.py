@@ -85,11 +85,7 @@ class DraftPolicy:
     """Chooses the drafts per sequence of a round, 0..max_drafts, that maximise expected committed
     tokens per second: E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j being the measured
     probability that draft j is accepted when drafts 1..j-1 were, over the measured step time of
-    k drafts at this batch size. Sequences differ most in the first draft (whether the proposer
-    guesses the text at all; the later ones follow when it does), so each sequence also keeps
-    its own a_1, and a round's drafts gain in proportion to its sequences' mean a_1: a batch
-    left with the sequences that accept least (those a static batch waits for) stops drafting
-    when that no longer pays. Not adaptive, it always answers max_drafts."""
+    k drafts at this batch size. Not adaptive, it always answers max_drafts."""
 
     def __init__(self, max_drafts: int, adaptive: bool = True):
         self.max_drafts, self.adaptive = max_drafts, adaptive and max_drafts > 0
@@ -98,34 +94,25 @@ class DraftPolicy:
         self.costs: dict[int, dict[int, StepCost]] = {}   # batch bucket -> k -> measured cost
         self.chosen: dict[int, int] = {}                  # batch bucket -> k of its last round
         self.probes: dict[int, Probes] = {}               # batch bucket -> its probe schedule
-        self.first: dict[int, tuple[float, float]] = {}  # sequence id -> its decayed (tried,
-                                                          # accepted) counts of the first draft
         self.last_k = max_drafts                          # k of the latest round
         self.probed = False                               # whether the latest round was a probe
 
     # -- the choice ---------------------------------------------------------------------
 
-    def choose(self, batch: int, seq_ids=(), ahead: bool = False) -> int:
-        """k for a round of `batch` decoding sequences (`seq_ids`, when known: their own
-        acceptance counts), which the scheduler then caps per sequence. Now and then a round is
-        a probe (see Probes). One slow round must not rule a k out for good, so a probe first
-        measures again an unsettled k (fewer than CONFIRMED rounds measured) that could win: one
-        that would beat the best k's rate by PROBE_GAIN if it cost no more than the nearest
-        smaller k measured. Otherwise it tries the best k's neighbour, alternately above and
-        below, so a k that lost (0 included) is measured again and can win back. `ahead`: the
-        round would be planned ahead of one of k = 0 still in flight, as rounds of k = 0 run on
-        some workers; a probe of k = 0 then takes this round too, the one whose time is that of
-        k = 0 in a row (the first waited for the round before)."""
+    def choose(self, batch: int) -> int:
+        """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
+        Now and then a round is a probe (see Probes). One slow round must not rule a k out for
+        good, so a probe first measures again an unsettled k (fewer than CONFIRMED rounds
+        measured) that could win: one that would beat the best k's rate by PROBE_GAIN if it
+        cost no more than the nearest smaller k measured. Otherwise it tries the best k's
+        neighbour, alternately above and below, so a k that lost (0 included) is measured
+        again and can win back."""
         if not self.adaptive:
             return self.max_drafts
-        if ahead and self.probed and self.last_k == 0:
-            self.probed = False
-            return 0
         bucket = batch_bucket(batch)
-        gain = self.gain(seq_ids)
-        rates = self.rates(bucket, gain)
+        rates = self.rates(bucket)
         k = self.best(bucket, rates)
-        unsettled = self._could_win(bucket, k, rates[k], gain) if rates else []
+        unsettled = self._could_win(bucket, k, rates[k]) if rates else []
         probes = self.probes.setdefault(bucket, Probes())
         self.probed = probes.due(k, bool(unsettled))
         if self.probed and unsettled:
@@ -135,7 +122,7 @@ class DraftPolicy:
         self.chosen[bucket] = self.last_k = k
         return k
 
-    def _could_win(self, bucket: int, best: int, rate: float, gain: float = 1.0) -> list[int]:
+    def _could_win(self, bucket: int, best: int, rate: float) -> list[int]:
         """The bucket's unsettled ks other than `best` that could beat `rate`, the likeliest
         first: each at the expected tokens of its drafts over the time measured at the nearest
         smaller k, as if the drafts beyond that k were free."""
@@ -143,21 +130,21 @@ class DraftPolicy:
         if all(c.settled for c in costs.values()):
             return []
         measured = {m: c.seconds for m, c in costs.items() if c.samples}
-        tokens, rated = self._expected_tokens(gain), []
+        tokens, rated = self._expected_tokens(), []
         for m, c in costs.items():
             below = max((j for j in measured if j < m), default=None)
             if m != best and not c.settled and below is not None:
                 rated.append((tokens[m] / measured[below], m))
         return [m for r, m in sorted(rated, reverse=True) if r > PROBE_GAIN * rate]
 
-    def rates(self, bucket: int, gain: float = 1.0) -> list[float] | None:
-        """Expected tokens per second of each k, 0..max_drafts, for sequences whose drafts gain
-        `gain` times the mean; None before any step of this bucket (or a neighbour) is timed."""
+    def rates(self, bucket: int) -> list[float] | None:
+        """Expected tokens per second of each k, 0..max_drafts; None before any step of this
+        bucket (or a neighbour) is timed."""
         table = self._cost_table(bucket)
         if not table:
             return None
         return [tokens / self.step_seconds(table, k)
-                for k, tokens in enumerate(self._expected_tokens(gain))]
+                for k, tokens in enumerate(self._expected_tokens())]
 
     def best(self, bucket: int, rates: list[float] | None = None) -> int:
         """The k with the most expected tokens per second (`rates`, when the caller has them);
@@ -172,23 +159,13 @@ class DraftPolicy:
         plus draft i when it and every draft before it are accepted."""
         return self._expected_tokens()[k]
 
-    def _expected_tokens(self, gain: float = 1.0) -> list[float]:
-        """expected_tokens(k) for every k, 0..max_drafts, the drafts' part times `gain`."""
-        out, reach = [1.0], gain
+    def _expected_tokens(self) -> list[float]:
+        """expected_tokens(k) for every k, 0..max_drafts."""
+        out, reach = [1.0], 1.0
         for a in self.acceptance_at():
             reach *= a
             out.append(out[-1] + reach)
         return out
-
-    def gain(self, seq_ids) -> float:
-        """The mean of the sequences' own first-draft acceptance over everyone's, each starting
-        from everyone's (worth PRIOR_WEIGHT observations); 1 without sequences."""
-        if not seq_ids:
-            return 1.0
-        mean = self.acceptance_at()[0]
-        own = [(acc + mean * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
-               for tried, acc in (self.first.get(i, (0.0, 0.0)) for i in seq_ids)]
-        return sum(own) / len(own) / mean
 
     def acceptance_at(self) -> list[float]:
         return [(acc + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
@@ -224,16 +201,12 @@ class DraftPolicy:
 
     # -- measurements -------------------------------------------------------------------
 
-    def record_acceptance(self, outcomes: list[tuple[int, int, int]]) -> None:
-        """One step's (sequence id, drafts asked for, drafts accepted) per sequence. Draft i was
-        tried when drafts 1..i-1 were accepted; positions the step did not reach keep their
-        history."""
+    def record_acceptance(self, outcomes: list[tuple[int, int]]) -> None:
+        """One step's (drafts asked for, drafts accepted) per sequence. Draft i was tried when
+        drafts 1..i-1 were accepted; positions the step did not reach keep their history."""
         tried = [0] * self.max_drafts
         accepted = [0] * self.max_drafts
-        for seq_id, proposed, acc in outcomes:
-            if proposed:
-                t, a = self.first.get(seq_id, (0.0, 0.0))
-                self.first[seq_id] = (DECAY * t + 1, DECAY * a + (acc > 0))
+        for proposed, acc in outcomes:
             for i in range(min(proposed, acc + 1, self.max_drafts)):
                 tried[i] += 1
                 accepted[i] += i < acc
@@ -241,10 +214,6 @@ class DraftPolicy:
             if n:
                 self.tried[i] = DECAY * self.tried[i] + n
                 self.accepted[i] = DECAY * self.accepted[i] + accepted[i]
-
-    def forget(self, seq_id: int) -> None:
-        """The sequence finished: its own counts go."""
-        self.first.pop(seq_id, None)
 
     def record_cost(self, batch: int, drafts: int, propose_s: float, forward_s: float) -> None:
         """A decode step's seconds: `batch` sequences carrying `drafts` drafts in all."""

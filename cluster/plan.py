@@ -80,9 +80,6 @@ class WorkerCapacity:
     pad_drafts: bool = False               # the worker verifies filler rows up to a planned depth
     graphs: bool = False                   # it replays captured decode/verify steps: a step that
                                            # mixes a prefill chunk in runs eagerly
-    undrafted_ahead: bool = False          # a round without drafts launches without a host sync,
-                                           # and the proposer keeps no state per row: such rounds
-                                           # may be planned ahead, as plain decoding's steps are
 
     @property
     def has_proposer(self) -> bool:

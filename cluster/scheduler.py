@@ -68,14 +68,8 @@ class Scheduler:
         self.in_flight: dict[int, int] = {}
         # Plain decoding needs no verdict to plan the next step: the worker fills in the token
         # it sampled the step before (AHEAD), so a worker holding two plans runs whole batches.
-        # Neither does a round the draft policy gives no drafts, on a worker that launches it
-        # without a host sync and whose proposer keeps no state per row (`undrafted_ahead`):
-        # there k = 0 runs as plain decoding does, steps launched ahead.
-        self.plans_ahead = config.plan_ahead and (not self.num_drafts or capacity.undrafted_ahead)
+        self.plans_ahead = config.plan_ahead and not self.num_drafts
         self.flying_steps: dict[int, list[int]] = {}   # sequence id -> its plans' steps in flight
-        self.drafting: set[int] = set()   # sequences whose plan in flight carries drafts
-        self._next_k: int | None = None   # k chosen for a round that waits for steps in flight
-        self._updated_at: float | None = None   # the clock when the latest update ended
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
@@ -131,8 +125,6 @@ class Scheduler:
         self.waiting.clear()
         self.in_flight.clear()
         self.flying_steps.clear()
-        self.drafting.clear()
-        self._next_k = None
         return requests
 
     def adopt(self, request_id: str, seqs: list[Sequence]) -> None:
@@ -221,7 +213,8 @@ class Scheduler:
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
-        k_round = self._round_k([s.seq_id for s in idle if s.num_pending == 1], prefill_only)
+        decoding = sum(s.num_pending == 1 for s in idle)
+        k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
             if budget == 0:
                 break
@@ -261,35 +254,12 @@ class Scheduler:
         pad = self._pad_depth(chosen)
         work = [self._work(seq, n, k, pad.get(seq.seq_id, 0), decode_steps.get(seq.seq_id, 1))
                 for seq, n, k in chosen]
-        if self.plans_ahead and not prefill_only and not k_round:
+        if self.plans_ahead and not prefill_only:
             work += self._ahead(min(room - len(work), budget))
         for w in work[:len(chosen)]:
             self.in_flight[w.seq_id] = 1
             self.flying_steps[w.seq_id] = [w.steps]
-            if w.num_drafts or w.pad_to:
-                self.drafting.add(w.seq_id)
         return work
-
-    def _round_k(self, decoding: list[int], prefill_only: bool) -> int:
-        """The draft policy's k for a round of the `decoding` idle sequences and, when rounds
-        without drafts are planned ahead, the sequences whose plain step is in flight (which join
-        it at k = 0). A k above 0 waits for those steps' results: it is kept for the next plan
-        instead of being chosen again, so a probe is not lost to the wait."""
-        if not self.num_drafts or prefill_only:
-            return 0
-        flying = self._aheadable() if self.plans_ahead else []
-        if not decoding and not flying:
-            return 0
-        k, self._next_k = (self._next_k if self._next_k is not None else self.drafts.choose(
-            len(decoding) + len(flying), decoding + flying, ahead=bool(flying))), None
-        if k and not decoding:
-            self._next_k = k
-        return k
-
-    def _aheadable(self) -> list[int]:
-        """The sequences with one plain decode step in flight (`_ahead` may plan them)."""
-        return [s.seq_id for s in self.running if self.in_flight.get(s.seq_id) == 1
-                and s.num_pending == 1 and s.seq_id not in self.drafting]
 
     def _decode_steps(self, seq: Sequence, flying: int) -> int:
         """Decode steps in a row for a plan of the sequence after `flying` tokens in flight:
@@ -328,8 +298,7 @@ class Scheduler:
         for seq in self.running:
             if len(work) == room:
                 break
-            if (self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1
-                    or seq.seq_id in self.drafting):   # its tokens in flight are not known
+            if self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1:
                 continue
             flying = self.flying_steps[seq.seq_id][0]   # tokens its step in flight samples
             steps = self._decode_steps(seq, flying)
@@ -371,7 +340,6 @@ class Scheduler:
                                     in zip(outcome.tokens[:taken], outcome.logprobs))
             touched.append(seq)
         self._measure(plan, result, outcomes)
-        self._updated_at = self.clock()
         return touched
 
     def forget(self, plan: StepPlan) -> None:
@@ -380,8 +348,6 @@ class Scheduler:
             left = self.in_flight.pop(w.seq_id, 0) - 1
             if left > 0:
                 self.in_flight[w.seq_id] = left
-            if left <= 0:
-                self.drafting.discard(w.seq_id)
             steps = self.flying_steps.get(w.seq_id)
             if steps:
                 steps.pop(0)
@@ -459,28 +425,17 @@ class Scheduler:
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
         asked for: one the proposer did not make gains no token, like a rejected one. The time
         runs from planning to the end of this update, so it holds the host's work per step and
-        per token (planning, transport, detokenising, stop checks) beside the worker's; for a
-        plan made ahead, whose planning overlapped the step before, from the end of the update
-        before (steps in a row then cost what one adds). Where rounds without drafts are planned
-        ahead, only such rounds time k = 0: one that is not waited for the round before it."""
+        per token (planning, transport, detokenising, stop checks) beside the worker's."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
             return
-        self.drafts.record_acceptance([(w.seq_id, w.num_drafts, outcomes[w.seq_id].accepted)
+        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
-            now = self.clock()
-            ahead = self._updated_at is not None and self._updated_at > plan.planned_at
-            if self.plans_ahead and not ahead and not any(w.num_drafts for w in plan.work):
-                return   # k = 0 runs in a row here, planned ahead: its time is that of those
-            if ahead:
-                forward_s = max(now - self._updated_at - result.propose_s, 0.0)   # (its time
-            else:                                         # on the worker held a wait too)
-                span = now - plan.planned_at if plan.planned_at else 0.0
-                forward_s = max(result.forward_s, span - result.propose_s)
+            span = self.clock() - plan.planned_at if plan.planned_at else 0.0
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
-                                    result.propose_s, forward_s)
+                                    result.propose_s, max(result.forward_s, span - result.propose_s))
 
     @staticmethod
     def _draft_limit(requested: int, capacity: WorkerCapacity) -> int:
@@ -547,7 +502,6 @@ class Scheduler:
         if seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
-        self.drafts.forget(seq.seq_id)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def _release(self, seq: Sequence) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import socket
 import time
 from pathlib import Path
@@ -14,7 +13,6 @@ import torch
 import checkpoints
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.llm import LLM
-from metrale.drafting.proposer import Proposal
 
 # Variants of the supported architectures: head dims, GQA ratios, layer patterns, tied embeddings,
 # and both Qwen3.5 layouts.
@@ -46,33 +44,6 @@ def run_with_arrivals(llm: LLM, arrivals: dict[int, list[list[int]]], params: Sa
         llm.step()
         step += 1
     return [llm.finished_output(r) for r in ids]
-
-
-class OracleProposer:
-    """Drafts the true greedy continuation, corrupted at a random position half of the time, so
-    rounds accept every possible number of drafts. The history a request carries must be the
-    start of one of `full_sequences` (a token missing or extra fails)."""
-    method, capture_layers, fixed_drafts, keeps_row_state, max_batch = "oracle", (), None, False, 64
-
-    def __init__(self, full_sequences: list[list[int]], seed: int = 0):
-        self.full, self.rng = full_sequences, random.Random(seed)
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            seq = next((s for s in self.full if s[:len(r.history)] == r.history), None)
-            assert seq is not None, f"slot {r.slot}'s history {r.history} is no sequence's"
-            drafts = seq[len(r.history):len(r.history) + r.num_drafts]
-            if self.rng.random() < 0.25:   # fewer drafts than asked for
-                drafts = drafts[:self.rng.randrange(r.num_drafts)]
-            if drafts and self.rng.random() < 0.5:
-                i = self.rng.randrange(len(drafts))
-                drafts = drafts[:i] + [(drafts[i] + 1) % 300] + drafts[i + 1:]
-            out.append(Proposal(drafts))
-        return out
-
-    def commit(self, rows):
-        pass
 
 
 @pytest.fixture(scope="session")

@@ -203,8 +203,7 @@ class Worker:
             fixed_drafts=p.fixed_drafts if p else None,
             propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
             prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda",
-            pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs,
-            undrafted_ahead=self.use_graphs and p is not None and not p.keeps_row_state)
+            pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs)
         self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
         self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
         self._grammar_compiler = None
@@ -306,10 +305,8 @@ class Worker:
 
     def _flies(self, work: list[SeqWork]) -> bool:
         """Whether a step may run without a host sync: plain greedy decoding of every sequence
-        on the graph path (no drafts, logprobs or masks, one rank, no proposer state to feed
-        per row: an n-gram or self proposer reads the history, kept as the tokens are read)."""
-        return (self.graphs is not None and self.tp.size == 1
-                and (self.proposer is None or not self.proposer.keeps_row_state)
+        on the graph path (no drafts, logprobs or masks, one rank, no proposer to feed)."""
+        return (self.graphs is not None and self.proposer is None and self.tp.size == 1
                 and bool(work) and all(
                     len(w.tokens) == 1 and w.num_drafts == 0 and w.steps == 1
                     and w.sample is not None
@@ -340,13 +337,10 @@ class Worker:
         layout = RowsLayout.of([([max(w.tokens[0], 0)], w.context_len, w.block_table, w.slot)
                                 for w in work], self.config.block_size)
         fresh = [w for w in work if w.context_len == 0]   # one-token prompts
-        for w in fresh:
+        for w in fresh:   # (no proposer: the history of a step in flight is not kept)
             self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
         if fresh and self.ssm is not None:
             self.ssm.reset([w.slot for w in fresh])
-        for w in work:   # a token planned ahead joins the history when the step before is read
-            if w.tokens[0] != AHEAD:
-                self.history[w.slot].append(w.tokens[0])
         if len(self._flying) == FLIGHTS:   # its landing row is the oldest one's
             self._read_flights(self._flying[0])
         _, _, logits = self.graphs.run(layout, patch, keep_hidden=False)
@@ -376,12 +370,6 @@ class Worker:
                 outcomes = [SeqOutcome(w.seq_id, [t], 0, 0) for w, t in zip(flight.work, tokens)]
                 if self._flying[-1] is flight:   # no launch took these tokens on the device
                     self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
-                else:   # the next step ran those its rows planned ahead took
-                    after = self._flying[1]
-                    for w, t in zip(flight.work, tokens):
-                        row = after.rows.get(w.seq_id)
-                        if row is not None and after.work[row].tokens[0] == AHEAD:
-                            self.history[w.slot].append(t)
                 self._flying.popleft()
                 flight._result = StepResult(outcomes, 0.0, time.perf_counter() - flight.start)
 

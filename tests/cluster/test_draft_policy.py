@@ -3,18 +3,14 @@ given (injected here, never timed), explores back after choosing 0, and only cha
 
 from __future__ import annotations
 
-import itertools
 import random
-from dataclasses import replace
 
 import pytest
 
-import checkpoints
-
-from conftest import PROMPTS, OracleProposer
+from conftest import PROMPTS
 from metrale.cluster.draft_policy import PROBE_EVERY, PROBE_MOST, DraftPolicy, StepCost
 from metrale.cluster.params import SamplingParams
-from metrale.cluster.plan import AHEAD, SeqOutcome, StepResult, WorkerCapacity
+from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
 from metrale.deploy.llm import LLM, load_tokenizer
 
@@ -38,11 +34,11 @@ def simulate(policy, rounds, batch, accept, cost, rng):
         k = policy.choose(batch)
         ks.append((k, policy.probed))
         outcomes = []
-        for i in range(batch):
+        for _ in range(batch):
             j = 0
             while j < k and rng.random() < accept:
                 j += 1
-            outcomes.append((i, k, j))
+            outcomes.append((k, j))
         policy.record_acceptance(outcomes)
         policy.record_cost(batch, batch * k, *cost(batch, k))
     return ks
@@ -127,7 +123,7 @@ def test_speculation_comes_back_when_acceptance_recovers():
 
 def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accepted():
     policy = DraftPolicy(3)
-    policy.record_acceptance([(1, 3, 0), (2, 3, 1), (3, 3, 3), (4, 1, 1), (5, 0, 0)])
+    policy.record_acceptance([(3, 0), (3, 1), (3, 3), (1, 1), (0, 0)])
     assert policy.tried == [4, 2, 1]
     assert policy.accepted == [3, 1, 1]
 
@@ -161,44 +157,6 @@ def test_a_ks_first_round_is_a_warm_up_and_a_stall_is_clipped_then_outvoted():
     assert stalled.costs[1][2].seconds == pytest.approx(0.004)
 
 
-def test_sequences_that_accept_least_stop_drafting_before_the_others():
-    """Each sequence's own first-draft acceptance scales what a round's drafts gain: a round of
-    the two sequences that never accepted a draft (a static batch's tail) runs without drafts,
-    while one of those that accept, at the same measured costs, drafts; so does the whole
-    batch, whose mean is everyone's. A finished sequence's counts go."""
-    policy = DraftPolicy(3)
-    for _ in range(10):
-        policy.record_acceptance([(i, 3, 3) for i in range(8)] + [(8, 3, 0), (9, 3, 0)])
-    for _ in range(4):   # a k's first round is its warm-up
-        policy.record_cost(2, 0, 0.0, 0.0010)
-        policy.record_cost(2, 6, 0.0, 0.0015)
-    rate = policy.rates
-    assert policy.best(2, rate(2, policy.gain([0, 1]))) == 3
-    assert policy.best(2, rate(2, policy.gain(list(range(10))))) == 3
-    assert policy.gain([8, 9]) < 0.25
-    assert policy.best(2, rate(2, policy.gain([8, 9]))) == 0
-    assert policy.best(2, rate(2)) == 3   # everyone's rates alone would draft
-    policy.forget(8)
-    assert 8 not in policy.first and policy.gain([8]) == 1.0
-
-
-def test_a_probe_of_no_drafts_takes_the_round_planned_ahead_of_it_too():
-    """Where rounds of k = 0 are planned ahead of each other, the round after a probe of k = 0
-    is of k = 0 as well (its time is that of k = 0 in a row), and the probe schedule does not
-    move for it."""
-    policy = DraftPolicy(1)
-    for _ in range(4):
-        policy.record_acceptance([(7, 1, 1)])
-        policy.record_cost(1, 0, 0.0, 0.001)
-        policy.record_cost(1, 1, 0.0, 0.001)
-    ks = [(policy.choose(1), policy.probed) for _ in range(PROBE_EVERY)]
-    assert ks[-1] == (0, True) and all(k == 1 for k, _ in ks[:-1])
-    left = policy.probes[1].left
-    assert policy.choose(1, [7], ahead=True) == 0 and not policy.probed
-    assert policy.probes[1].left == left
-    assert policy.choose(1, [7], ahead=True) == 1   # the probe is over
-
-
 def test_fixed_mode_always_answers_num_drafts():
     policy = DraftPolicy(3, adaptive=False)
     simulate(policy, 20, 4, 0.0, verify_by_rows, random.Random(0))
@@ -208,11 +166,10 @@ def test_fixed_mode_always_answers_num_drafts():
 
 # -- the scheduler plans with the policy's k, within each sequence's limits ---------------------
 
-def scheduler(checkpoint, slot_capacity, undrafted_ahead=False, **config):
+def scheduler(checkpoint, slot_capacity, **config):
     capacity = WorkerCapacity(num_blocks=64, block_size=4, num_slots=len(slot_capacity),
                               max_model_len=256, vocab_size=384, eos_token_ids=(0,),
-                              hybrid=False, proposer="ngram", slot_capacity=slot_capacity,
-                              undrafted_ahead=undrafted_ahead)
+                              hybrid=False, proposer="ngram", slot_capacity=slot_capacity)
     return Scheduler(SchedulerConfig(**config), capacity, load_tokenizer(checkpoint("qwen3")))
 
 
@@ -269,48 +226,6 @@ def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):
     assert cost.samples == 1 and cost.propose_s == 0.001 and cost.forward_s >= 0.049
 
 
-def test_rounds_without_drafts_are_planned_ahead_and_a_k_chosen_meanwhile_waits(checkpoint):
-    """On a worker whose rounds without drafts launch without a host sync (`undrafted_ahead`),
-    a round the policy gives k = 0 is planned before the result of the one in flight, its rows
-    the tokens that one samples (AHEAD), as plain decoding's steps are. A k above 0 chosen then
-    waits for the results, is kept rather than chosen again, and nothing is planned ahead of a
-    round with drafts. The time of a step planned ahead runs from the update before."""
-    import time
-    s = scheduler(checkpoint, (4, 4), undrafted_ahead=True, num_drafts=4)
-    assert s.plans_ahead and s.share(2) is None
-    for i in range(2):
-        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
-    step(s)   # prefill
-    choices = []
-
-    def choose(batch, seq_ids, ahead):
-        choices.append(batch)
-        return ks.pop(0)
-    s.drafts.choose = choose
-
-    def done(plan, wait=0.0):
-        time.sleep(wait)
-        s.update(plan, StepResult([SeqOutcome(w.seq_id, [7], w.num_drafts, 0)
-                                   for w in plan.work], 0.0, 1.0))
-    ks = [0, 0, 4]
-    first = s.schedule()
-    assert [(w.tokens, w.num_drafts) for w in first.work] == [([7], 0), ([7], 0)]
-    ahead = s.schedule()   # planned before `first`'s result
-    assert [(w.tokens, w.num_drafts) for w in ahead.work] == [([AHEAD], 0), ([AHEAD], 0)]
-    assert [w.context_len for w in ahead.work] == [w.context_len + 1 for w in first.work]
-    done(first)
-    assert s.schedule().work == [] and choices == [2, 2, 2]   # k = 4 waits for `ahead`
-    done(ahead, 0.02)
-    # the time of the step made ahead: from the update before (not its worker's 1 s)
-    assert 0.015 < s.drafts.costs[2][0].forward_s < 0.5
-    drafted = s.schedule()
-    assert [w.num_drafts for w in drafted.work] == [4, 4] and len(choices) == 3
-    ks = [0]
-    assert s.schedule().work == []   # no row is planned ahead of a round with drafts
-    done(drafted)
-    assert [w.tokens for w in s.schedule().work] == [[7], [7]]
-
-
 def test_fixed_drafts_switch(checkpoint):
     s = scheduler(checkpoint, (4,), num_drafts=3, adaptive_drafts=False)
     s.add_request("r", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
@@ -342,28 +257,3 @@ def test_adaptive_greedy_output_equals_plain_decoding(checkpoint, dflash_drafter
     assert {0, 3} <= ks                         # the most first, then 0 once that was timed
     costs = [c for table in llm.scheduler.drafts.costs.values() for c in table.values()]
     assert costs and all(c.forward_s > 0 for c in costs)
-
-
-def test_rounds_planned_ahead_between_drafted_ones_keep_the_reference_tokens(checkpoint):
-    """The engine loop with rounds without drafts planned ahead (as a graph worker with an
-    n-gram proposer runs it), the policy's k forced through 0s and drafts in turn: transformers'
-    tokens, and the history the proposer reads is exact at every round (the oracle fails on a
-    token missing or extra)."""
-    model_dir = checkpoint("qwen3_5")
-    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method="ngram", num_drafts=3,
-              max_num_batched_tokens=16)
-    capacity = replace(llm.worker.capacity, undrafted_ahead=True)
-    llm.scheduler = Scheduler(llm.scheduler.config, capacity, llm.tokenizer)
-    llm._pipelined = True   # launches as LLM does for a graph worker
-    ks = itertools.cycle([0, 0, 0, 3, 0, 2, 2, 0, 0, 1])
-    llm.scheduler.drafts.choose = lambda *_, **__: next(ks)
-    prompts = [llm.encode(p) for p in PROMPTS]
-    refs = [checkpoints.reference_greedy(model_dir, p, 40) for p in prompts]
-    llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
-    plans, launch = [], llm.worker.launch
-    llm.worker.launch = lambda plan: plans.append(plan) or launch(plan)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == refs
-    ahead = [p for p in plans if any(w.tokens == [AHEAD] for w in p.work)]
-    assert len(ahead) >= 5 and not any(w.num_drafts for p in ahead for w in p.work)
-    assert llm.scheduler.stats.drafts_accepted > 0

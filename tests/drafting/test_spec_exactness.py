@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import checkpoints
-from conftest import PROMPTS, OracleProposer, run_with_arrivals
+from conftest import PROMPTS, run_with_arrivals
 from metrale.cluster.params import SamplingParams
+from metrale.drafting.proposer import Proposal
 from metrale.deploy.llm import LLM
 from metrale.workers.ssm_pool import SSMSlotPool
 
@@ -51,6 +54,31 @@ def test_greedy_speculation_is_exact(checkpoint, dflash_drafter, method, name, k
 def _kv_block_bytes(model_dir) -> int:
     probe = LLM(model_dir, device="cpu", block_size=4, max_num_seqs=1)
     return probe.worker.kv.k[:, 0].nbytes * 2
+
+
+class OracleProposer:
+    """Drafts the true greedy continuation, corrupted at a random position half of the time, so
+    rounds accept every possible number of drafts."""
+    method, capture_layers, fixed_drafts, keeps_row_state, max_batch = "oracle", (), None, False, 64
+
+    def __init__(self, full_sequences: list[list[int]], seed: int = 0):
+        self.full, self.rng = full_sequences, random.Random(seed)
+
+    def propose(self, requests):
+        out = []
+        for r in requests:
+            seq = next(s for s in self.full if s[:len(r.history)] == r.history)
+            drafts = seq[len(r.history):len(r.history) + r.num_drafts]
+            if self.rng.random() < 0.25:   # fewer drafts than asked for
+                drafts = drafts[:self.rng.randrange(r.num_drafts)]
+            if drafts and self.rng.random() < 0.5:
+                i = self.rng.randrange(len(drafts))
+                drafts = drafts[:i] + [(drafts[i] + 1) % 300] + drafts[i + 1:]
+            out.append(Proposal(drafts))
+        return out
+
+    def commit(self, rows):
+        pass
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "qwen3_5-vl"])

@@ -82,37 +82,6 @@ def test_decode_steps_launched_ahead_keep_the_reference_tokens(checkpoint, monke
     assert not llm.worker._flying
 
 
-def test_rounds_without_drafts_fly_between_n_gram_rounds(checkpoint, monkeypatch):
-    """With a proposer that keeps no state per row (n-gram's kind) on the graph path, a round
-    the policy gives no drafts launches ahead without a host sync, as plain decoding's steps do,
-    between rounds with drafts (the policy's k forced through 0s and drafts in turn). The
-    history the proposer reads is exact at every round (the oracle fails on a token missing or
-    extra, one-token prompt included) and the tokens are transformers'."""
-    import itertools
-    from conftest import PROMPTS, OracleProposer
-    from metrale.workers.worker import Worker
-    flights = []
-    launch = Worker._launch_decode
-    monkeypatch.setattr(Worker, "_launch_decode",
-                        lambda self, work: flights.append(len(work)) or launch(self, work))
-    model_dir = checkpoint("qwen3_5")
-    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=16,
-              speculative_method="ngram", num_drafts=3)
-    assert llm.worker.capacity.undrafted_ahead and llm.scheduler.plans_ahead
-    ks = itertools.cycle([0, 0, 0, 3, 0, 2, 2, 0, 0, 0, 1])
-    llm.scheduler.drafts.choose = lambda *_, **__: next(ks)
-    prompts = [llm.encode(p) for p in PROMPTS[:3]]
-    prompts.append(prompts[0][:1])
-    lengths = [40, 23, 31, 36]
-    refs = [checkpoints.reference_greedy(model_dir, p, n) for p, n in zip(prompts, lengths)]
-    llm.worker.proposer = OracleProposer([p + r for p, r in zip(prompts, refs)])
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-                                  for n in lengths])
-    assert [o.token_ids for o in outs] == refs
-    assert len(flights) > 10 and llm.scheduler.stats.drafts_accepted > 0
-    assert not llm.worker._flying
-
-
 def test_an_engine_thread_launches_while_another_reads(checkpoint):
     """Through the replica engine's in-process executor (a launch thread and a reader thread),
     requests arriving over time decode to transformers' tokens."""
