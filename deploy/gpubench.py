@@ -35,6 +35,7 @@ from metrale.deploy.llm import LLM
 from metrale.deploy.random_checkpoint import (QWEN3_5_2B, QWEN3_5_SMALL, QWEN3_8B, QWEN3_SMALL,
                                               random_prompts, write_random_checkpoint)
 from metrale.drafting.stats import SpecStats
+from metrale.workers.models import kernels
 from metrale.workers.models.config import DTYPES, ModelConfig
 from metrale.workers.ssm_pool import SSMSlotPool
 
@@ -70,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"],
                    help="worker option (default: the worker's)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="worker option cuda_graphs=False")
+    p.add_argument("--no-few-rows", action="store_true",
+                   help="a verify's projections through F.linear, not kernels.few_rows (A/B)")
     p.add_argument("--ckpt-dir", default="/tmp/metrale-bench",
                    help="where random checkpoints are written (kept and reused)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers generate")
@@ -591,6 +594,7 @@ def run(args) -> int:
         options["attention_backend"] = args.attention_backend
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
+    kernels.FEW = not args.no_few_rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.device.type == "cuda" and args.device.index is not None:
@@ -620,7 +624,8 @@ def run(args) -> int:
         "device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
         "torch": torch.__version__, "dtype": args.dtype_name, "small": args.small,
         "worker_options": {"attention_backend": options.get("attention_backend", "auto"),
-                           "cuda_graphs": options.get("cuda_graphs", True)},
+                           "cuda_graphs": options.get("cuda_graphs", True),
+                           "few_rows": kernels.FEW},
         "bandwidth_bytes_per_s": bandwidth, "copy_bytes": copy_size,
         "steady_waves": args.steady_waves,
         "seconds": round(time.perf_counter() - start, 1), "models": models}

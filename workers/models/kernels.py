@@ -38,6 +38,7 @@ def _pow2(n: int) -> int:
 
 
 PDL = True   # programmatic dependent launch where the GPU has it (False: off, for A/B runs)
+FEW = True   # few_rows for a verify's projections (False: F.linear, for A/B runs)
 
 
 @functools.cache
@@ -427,6 +428,54 @@ if triton is not None:
         tl.store(out_ptr + n, out, mask=n_ok)
 
     @triton.jit
+    def _few_rows_kernel(x_ptr, w_ptr, out_ptr, m, n_out, n_in, stride_x, M_PAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+                         IEEE: tl.constexpr, PDL: tl.constexpr):
+        """BLOCK_N outputs of each of m <= M_PAD rows (a verify's): x [m, n_in] (rows stride_x
+        apart) times BLOCK_N contiguous rows of w [n_out, n_in], on the tensor cores with float32
+        sums (IEEE: float32 inputs multiplied in full precision), rounded once at the end; the
+        weights' first BLOCK_K features are loaded before waiting for the kernel before (see
+        _pdl). With SILU_MUL as in _gemv_kernel."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < n_out
+        r = tl.arange(0, M_PAD)
+        r_ok = r < m
+        k = tl.arange(0, BLOCK_K)
+        rows = w_ptr + n[:, None] * n_in
+        ok = n_ok[:, None] & (k < n_in)[None, :]
+        w = tl.load(rows + k[None, :], mask=ok, other=0.0)
+        if SILU_MUL:
+            u = tl.load(rows + n_out * n_in + k[None, :], mask=ok, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        precision: tl.constexpr = "ieee" if IEEE else "tf32"
+        x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :],
+                    mask=r_ok[:, None] & (k < n_in)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), input_precision=precision)
+        if SILU_MUL:
+            acc_up = tl.dot(x, tl.trans(u), input_precision=precision)
+        for start in range(BLOCK_K, n_in, BLOCK_K):
+            kb = start + k
+            kb_ok = kb < n_in
+            okb = n_ok[:, None] & kb_ok[None, :]
+            xb = tl.load(x_ptr + r[:, None] * stride_x + kb[None, :],
+                         mask=r_ok[:, None] & kb_ok[None, :], other=0.0)
+            acc = tl.dot(xb, tl.trans(tl.load(rows + kb[None, :], mask=okb, other=0.0)), acc,
+                         input_precision=precision)
+            if SILU_MUL:
+                acc_up = tl.dot(xb, tl.trans(tl.load(rows + n_out * n_in + kb[None, :], mask=okb,
+                                                     other=0.0)),
+                                acc_up, input_precision=precision)
+        dtype = out_ptr.dtype.element_ty
+        out = acc.to(dtype)
+        if SILU_MUL:
+            gate = out.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+            out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        tl.store(out_ptr + r[:, None] * n_out + n[None, :], out, mask=r_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """x: [rows, 2 * n] as [gate | up]; out = silu(gate) * up, rounded as torch rounds."""
         _after_previous(PDL)
@@ -722,14 +771,35 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
     return out
 
 
+FEW_ROWS = 16                         # most rows few_rows takes (a verify of 15 drafts)
+FEW_BLOCK_N, FEW_BLOCK_K = 32, 128    # outputs and features per few_rows program and stretch
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+    """x [m, n_in] (2 <= m <= FEW_ROWS, features contiguous) times weight [n_out, n_in]
+    (contiguous) transposed, as F.linear, in one kernel launched like the others here (see
+    _pdl); with `silu_mul` as gemv's."""
+    m, n_in = x.shape
+    n_out = weight.shape[0] // (1 + silu_mul)
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    _few_rows_kernel[(triton.cdiv(n_out, FEW_BLOCK_N),)](
+        x, weight, out, m, n_out, n_in, x.stride(0), M_PAD=FEW_ROWS, BLOCK_N=FEW_BLOCK_N,
+        BLOCK_K=FEW_BLOCK_K, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, **_pdl(),
+        num_warps=4)
+    return out
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """F.linear, except that one row (a decode step of one sequence) on a device the kernels
     run on goes through gemv: the weights stream at close to the copy bandwidth, where cuBLAS's
     kernels for one row reached 75-95% of it (and add a split-K reduction for some shapes).
-    Outside inference (autograd on) it is always F.linear."""
+    A few rows (a verify) go through few_rows, which starts under the kernel before as gemv
+    does. Outside inference (autograd on) it is always F.linear."""
     if _gemv_takes(x, weight, bias):
         return gemv(x, weight)
+    if _few_rows_take(x, weight, bias):
+        return few_rows(x, weight)
     return F.linear(x, weight, bias)
 
 
@@ -740,11 +810,20 @@ def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             and not torch.is_grad_enabled())   # no backward: inference only
 
 
+def _few_rows_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether few_rows computes F.linear(x, weight, bias) here: 2 to FEW_ROWS rows."""
+    return (FEW and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= FEW_ROWS
+            and x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype
+            and runs_on(x.device) and not torch.is_grad_enabled())
+
+
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """silu_mul(linear(x, gate_up)); one row through one GEMV kernel that applies the SiLU to
-    its sums (the same sums and roundings), so a decode step's MLP is two launches."""
+    """silu_mul(linear(x, gate_up)); one row (or a few) through one kernel that applies the SiLU
+    to its sums (the same sums and roundings), so a decode step's MLP is two launches."""
     if _gemv_takes(x, gate_up, None):
         return gemv(x, gate_up, silu_mul=True)
+    if _few_rows_take(x, gate_up, None):
+        return few_rows(x, gate_up, silu_mul=True)
     return silu_mul(linear(x, gate_up))
 
 
