@@ -409,9 +409,14 @@ def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n_out,n_in", [(2, 50, 64), (8, 37, 300), (16, 96, 1500), (5, 1024, 256)])
-def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in):
-    """2 to 16 rows (views of wider rows) through the few-rows kernel, and [gate | up] with the
-    SiLU applied to its sums as silu_mul rounds them; 17 rows, or autograd on, go to F.linear."""
+def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypatch):
+    """2 to 16 rows (views of wider rows) of a small weight through the few-rows kernel, and
+    [gate | up] with the SiLU applied to its sums as silu_mul rounds them; 17 rows, a weight
+    over FEW_MAX_WEIGHTS, or autograd on, go to F.linear."""
+    calls = []
+    few_rows = kernels.few_rows
+    monkeypatch.setattr(kernels, "few_rows",
+                        lambda x, w, **kw: calls.append(w.shape) or few_rows(x, w, **kw))
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter mishandles bfloat16")
     g = torch.Generator(DEVICE).manual_seed(m * n_in)
@@ -423,13 +428,19 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in):
         assert out.shape == (m, n_out) and out.dtype == dtype
         assert rel_err(out, F.linear(rows[:m].float(), w.float())) < tol
         assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # 17 rows: cuBLAS
+        big = torch.zeros(kernels.FEW_MAX_WEIGHTS // n_in + 1, n_in, device=DEVICE, dtype=dtype)
+        big[:n_out] = w   # a weight too large for few_rows: cuBLAS
+        assert torch.equal(kernels.linear(rows[:m], big), F.linear(rows[:m], big))
+        assert calls == [w.shape]
         fused = kernels.linear_silu_mul(rows[:m], w[:n_out // 2 * 2])
         half = n_out // 2
         ref = (F.silu(F.linear(rows[:m].float(), w[:half].float()))
                * F.linear(rows[:m].float(), w[half:2 * half].float()))
         assert fused.shape == (m, half) and rel_err(fused, ref) < 10 * tol
+        assert calls == [w.shape, (half * 2, n_in)]
     with torch.enable_grad():
         assert torch.equal(kernels.linear(rows[:m], w), F.linear(rows[:m], w))
+    assert len(calls) == 2
 
 
 def test_one_sequence_decodes_through_the_gemv(checkpoint, monkeypatch):

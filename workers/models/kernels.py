@@ -772,7 +772,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
 
 
 FEW_ROWS = 16                         # most rows few_rows takes (a verify of 15 drafts)
-FEW_BLOCK_N, FEW_BLOCK_K = 32, 128    # outputs and features per few_rows program and stretch
+FEW_BLOCK_N, FEW_BLOCK_K = 32, 256    # outputs and features per few_rows program and stretch
+# Weights (elements) up to which linear() takes few_rows. On the H200 (scratch sweep 2026-12-03,
+# 8 and 16 rows, CUDA graphs) few_rows took 1.3-1.9 us where cuBLAS took 2.6-4.7 us for the
+# bundled model's projections (up to 4096 x 256); from 2048 x 4096 up (Qwen3.5-2B's, Qwen3-8B's)
+# no single launch config kept up with cuBLAS on every shape (1.0-3x slower), so they stay there.
+FEW_MAX_WEIGHTS = 1 << 21
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
@@ -785,7 +790,7 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> t
     _few_rows_kernel[(triton.cdiv(n_out, FEW_BLOCK_N),)](
         x, weight, out, m, n_out, n_in, x.stride(0), M_PAD=FEW_ROWS, BLOCK_N=FEW_BLOCK_N,
         BLOCK_K=FEW_BLOCK_K, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, **_pdl(),
-        num_warps=4)
+        num_warps=4, num_stages=2)
     return out
 
 
@@ -794,8 +799,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, except that one row (a decode step of one sequence) on a device the kernels
     run on goes through gemv: the weights stream at close to the copy bandwidth, where cuBLAS's
     kernels for one row reached 75-95% of it (and add a split-K reduction for some shapes).
-    A few rows (a verify) go through few_rows, which starts under the kernel before as gemv
-    does. Outside inference (autograd on) it is always F.linear."""
+    A few rows (a verify) of a small weight go through few_rows, which starts under the kernel
+    before as gemv does. Outside inference (autograd on) it is always F.linear."""
     if _gemv_takes(x, weight, bias):
         return gemv(x, weight)
     if _few_rows_take(x, weight, bias):
@@ -811,8 +816,10 @@ def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _few_rows_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether few_rows computes F.linear(x, weight, bias) here: 2 to FEW_ROWS rows."""
+    """Whether few_rows computes F.linear(x, weight, bias) here: 2 to FEW_ROWS rows of small
+    weights (FEW_MAX_WEIGHTS)."""
     return (FEW and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= FEW_ROWS
+            and weight.numel() <= FEW_MAX_WEIGHTS
             and x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype
             and runs_on(x.device) and not torch.is_grad_enabled())
 
