@@ -74,7 +74,15 @@ def gather_rows(rows: list[CommittedRows], parts) -> torch.Tensor:
     return picked[0] if len(picked) == 1 else torch.cat(picked, -1)
 
 
-HOLD_ROWS = 64   # committed rows a slot may hold back before its drafter catches up anyway
+# Committed rows a slot may hold back before its drafter catches up anyway. The draft policy
+# charges a round's propose time to its k, and a round of drafts after a stretch of k = 0 (a
+# probe) catches up on what the slot held: at 64 rows that was an eager forward (MTP's
+# captured catch-ups take up to 16 rows a sequence), and such probes measured 0.53-2.5 ms of
+# proposing at batch 1 on the H200 against 0.31-0.39 ms in rounds that followed rounds of
+# drafts (bench-bbd40be.json, bench-f8080c6.json: `draft_policy`), which kept k = 0 chosen.
+# Holding at most 15 (a catch-up of at most 16, captured) keeps a probe's catch-up the size of
+# a round's; rounds of k = 0 pay a captured catch-up every 16 tokens.
+HOLD_ROWS = 15
 
 
 class HeldRows:

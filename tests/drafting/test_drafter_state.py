@@ -112,6 +112,45 @@ def test_drafter_catches_up_on_rows_held_through_rounds_without_drafts(
     assert after_rounds.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
 
 
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_a_round_of_drafts_after_many_without_catches_up_as_a_round_does(
+        checkpoint, dflash_drafter, method, monkeypatch):
+    """Through 40 rounds of k = 0 the drafter catches up every HOLD_ROWS + 1 rows, so the round
+    of drafts after them (the draft policy's probe, which it charges with the round's propose
+    time) catches up on no more rows than fit MTP's longest captured catch-up."""
+    from metrale.drafting import mtp, proposer as prop
+    model_dir = checkpoint("qwen3_5")
+    llm = LLM(model_dir, device="cpu", block_size=4, speculative_method=method, num_drafts=3,
+              drafter=dflash_drafter("qwen3_5") if method == "dflash" else None)
+    drafter = llm.worker.proposer
+    caught = []   # (rows per sequence, whether in a propose)
+    catch_up, proposing = drafter._catch_up, [False]
+    monkeypatch.setattr(drafter, "_catch_up", lambda rows: caught.extend(
+        (len(r.tokens), proposing[0]) for r in rows) or catch_up(rows))
+
+    def tracked(propose):
+        def run(requests):
+            proposing[0] = True
+            try:
+                return propose(requests)
+            finally:
+                proposing[0] = False
+        return run
+    for name in ("propose", "propose_on_device"):
+        monkeypatch.setattr(drafter, name, tracked(getattr(drafter, name)))
+    rounds = iter([0] * 40 + [3] * 20)
+    llm.scheduler.drafts.choose = lambda batch: next(rounds)
+    rid = llm.add_request(llm.encode(PROMPTS[2]), GREEDY)
+    seq = llm.scheduler.by_request[rid][0]
+    while seq.spec.rounds < 1:
+        llm.step()
+    during = [n for n, p in caught if not p][1:]   # after the prefill's
+    probe = [n for n, p in caught if p]
+    assert prop.HOLD_ROWS + 1 <= mtp.CATCH_UP_LENGTHS[-1]
+    assert len(during) >= 2 and all(n == prop.HOLD_ROWS + 1 for n in during)
+    assert probe and all(n <= prop.HOLD_ROWS + 1 for n in probe)
+
+
 class _Replayed:
     """A CUDA graph's stand-in off the GPU: each replay reruns the captured step and copies its
     results (if any) into the tensors the capture returned."""
