@@ -123,29 +123,26 @@ def test_a_round_of_drafts_after_many_without_catches_up_as_a_round_does(
     llm = LLM(model_dir, device="cpu", block_size=4, speculative_method=method, num_drafts=3,
               drafter=dflash_drafter("qwen3_5") if method == "dflash" else None)
     drafter = llm.worker.proposer
-    caught = []   # (rows per sequence, whether in a propose)
-    catch_up, proposing = drafter._catch_up, [False]
+    caught = []   # rows per sequence of each catch-up; None where the round of drafts is planned
+    catch_up = drafter._catch_up
     monkeypatch.setattr(drafter, "_catch_up", lambda rows: caught.extend(
-        (len(r.tokens), proposing[0]) for r in rows) or catch_up(rows))
-
-    def tracked(propose):
-        def run(requests):
-            proposing[0] = True
-            try:
-                return propose(requests)
-            finally:
-                proposing[0] = False
-        return run
-    for name in ("propose", "propose_on_device"):
-        monkeypatch.setattr(drafter, name, tracked(getattr(drafter, name)))
+        len(r.tokens) for r in rows) or catch_up(rows))
     rounds = iter([0] * 40 + [3] * 20)
-    llm.scheduler.drafts.choose = lambda batch: next(rounds)
-    rid = llm.add_request(llm.encode(PROMPTS[2]), GREEDY)
+
+    def choose(batch):
+        k = next(rounds)
+        if k and None not in caught:
+            caught.append(None)
+        return k
+    llm.scheduler.drafts.choose = choose
+    rid = llm.add_request(llm.encode(PROMPTS[2]),
+                          SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
     seq = llm.scheduler.by_request[rid][0]
-    while seq.spec.rounds < 1:
+    while seq.spec.rounds < 1 and not seq.finished:
         llm.step()
-    during = [n for n, p in caught if not p][1:]   # after the prefill's
-    probe = [n for n, p in caught if p]
+    assert seq.spec.rounds == 1
+    planned = caught.index(None)
+    during, probe = caught[1:planned], caught[planned + 1:]   # [1:]: after the prefill's
     assert prop.HOLD_ROWS + 1 <= mtp.CATCH_UP_LENGTHS[-1]
     assert len(during) >= 2 and all(n == prop.HOLD_ROWS + 1 for n in during)
     assert probe and all(n <= prop.HOLD_ROWS + 1 for n in probe)
