@@ -773,8 +773,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
 
 FEW_ROWS = 16                         # most rows few_rows takes (a verify of 15 drafts)
 FEW_BLOCK_N, FEW_BLOCK_K = 32, 256    # outputs and features per few_rows program and stretch
-# Weights (elements) up to which linear() takes few_rows. On the H200 (scratch sweep 2026-12-03,
-# 8 and 16 rows, CUDA graphs) few_rows took 1.3-1.9 us where cuBLAS took 2.6-4.7 us for the
+# Weights (elements) up to which linear() takes few_rows. On the H200 (a sweep on 2026-12-03,
+# 8 and 16 rows, CUDA graphs: deploy/results/sweep-few-rows-2026-12-03.json) few_rows took 1.3-1.9 us where cuBLAS took 2.6-4.7 us for the
 # bundled model's projections (up to 4096 x 256); from 2048 x 4096 up (Qwen3.5-2B's, Qwen3-8B's)
 # no single launch config kept up with cuBLAS on every shape (1.0-3x slower), so they stay there.
 FEW_MAX_WEIGHTS = 1 << 21
@@ -808,20 +808,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether gemv computes F.linear(x, weight, bias) here: one contiguous row, no bias."""
-    return (bias is None and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+def _rows_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      rows: range) -> bool:
+    """Whether gemv or few_rows can compute F.linear(x, weight, bias) here: len(rows) in
+    `rows`, features contiguous, no bias, inference only (no backward)."""
+    return (bias is None and x.dim() == 2 and x.shape[0] in rows and x.stride(1) == 1
             and weight.is_contiguous() and weight.dtype == x.dtype and runs_on(x.device)
-            and not torch.is_grad_enabled())   # no backward: inference only
+            and not torch.is_grad_enabled())
+
+
+def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether gemv computes F.linear(x, weight, bias) here: one row."""
+    return _rows_kernel_takes(x, weight, bias, range(1, 2))
 
 
 def _few_rows_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether few_rows computes F.linear(x, weight, bias) here: 2 to FEW_ROWS rows of small
     weights (FEW_MAX_WEIGHTS)."""
-    return (FEW and bias is None and x.dim() == 2 and 2 <= x.shape[0] <= FEW_ROWS
-            and weight.numel() <= FEW_MAX_WEIGHTS
-            and x.stride(1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype
-            and runs_on(x.device) and not torch.is_grad_enabled())
+    return (FEW and weight.numel() <= FEW_MAX_WEIGHTS
+            and _rows_kernel_takes(x, weight, bias, range(2, FEW_ROWS + 1)))
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
