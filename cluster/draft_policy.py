@@ -15,6 +15,8 @@ COST_CLIP = 3.0      # a round above 3x the median counts as 3x; one below a thi
 PROBE_EVERY = 8      # a round in 8 runs a neighbour of the best k, so its figures stay current...
 PROBE_MOST = 64      # ...a round in up to 64 while probes keep confirming the best k
 PROBE_GAIN = 1.1     # a probe first re-measures an unsettled k that could beat the best by 10%
+SURPRISE = 1.0       # a probe from k = 0 whose sequences accepted 1 draft more than expected
+                     # (on average) is followed by another, the next round
 
 
 def batch_bucket(batch: int) -> int:
@@ -68,11 +70,14 @@ class Probes:
         self.wait = self.left = PROBE_EVERY
         self.best: int | None = None
         self.up = False
+        self.again = False   # the latest probe contradicted the estimates: probe the next round
 
     def due(self, best: int, unsettled: bool = False) -> bool:
         """Whether this round is a probe; `unsettled`: a k worth measuring again is waiting, so
         the wait after this probe does not grow."""
         self.left -= 1
+        if self.again:
+            self.again, self.left, self.best = False, 0, None   # not a confirming probe
         if self.left > 0:
             return False
         settled = best == self.best and not unsettled
@@ -96,6 +101,7 @@ class DraftPolicy:
         self.probes: dict[int, Probes] = {}               # batch bucket -> its probe schedule
         self.last_k = max_drafts                          # k of the latest round
         self.probed = False                               # whether the latest round was a probe
+        self.zero_probe: int | None = None                # bucket of a probe from k = 0 to judge
 
     # -- the choice ---------------------------------------------------------------------
 
@@ -106,7 +112,10 @@ class DraftPolicy:
         measured) that could win: one that would beat the best k's rate by PROBE_GAIN if it
         cost no more than the nearest smaller k measured. Otherwise it tries the best k's
         neighbour, alternately above and below, so a k that lost (0 included) is measured
-        again and can win back."""
+        again and can win back; from k = 0 it tries the best-rated k above 0 instead of 1. A
+        probe measures acceptance only up to its k, and k = 1 can lose to 0 whatever its
+        acceptance (a block drafter such as DFlash proposes 1 draft for what 7 cost), so probes
+        of 1 alone would never measure the deeper positions that make a larger k win."""
         if not self.adaptive:
             return self.max_drafts
         bucket = batch_bucket(batch)
@@ -115,10 +124,14 @@ class DraftPolicy:
         unsettled = self._could_win(bucket, k, rates[k]) if rates else []
         probes = self.probes.setdefault(bucket, Probes())
         self.probed = probes.due(k, bool(unsettled))
+        if self.probed:
+            self.zero_probe = bucket if k == 0 else None
         if self.probed and unsettled:
             k = unsettled[0]
+        elif self.probed and k == 0:
+            k = max(range(1, self.max_drafts + 1), key=lambda j: (rates[j], -j))
         elif self.probed:
-            k = k + 1 if (probes.up and k < self.max_drafts) or k == 0 else k - 1
+            k = k + 1 if probes.up and k < self.max_drafts else k - 1
         self.chosen[bucket] = self.last_k = k
         return k
 
@@ -203,7 +216,17 @@ class DraftPolicy:
 
     def record_acceptance(self, outcomes: list[tuple[int, int]]) -> None:
         """One step's (drafts asked for, drafts accepted) per sequence. Draft i was tried when
-        drafts 1..i-1 were accepted; positions the step did not reach keep their history."""
+        drafts 1..i-1 were accepted; positions the step did not reach keep their history.
+        Estimates learnt while drafts were failing outlive them when the policy stops drafting:
+        only probes measure again, one round in up to PROBE_MOST. So a probe from k = 0 whose
+        sequences accepted SURPRISE drafts more than the estimates expected is followed by
+        another the next round, until the estimates agree or a k > 0 wins."""
+        drafted = [(min(proposed, self.max_drafts), acc) for proposed, acc in outcomes if proposed]
+        if self.zero_probe is not None and drafted:   # while 0 is the best, the probe's drafts
+            tokens = self._expected_tokens()
+            surprise = sum(acc - tokens[k] + 1 for k, acc in drafted) / len(drafted)
+            self.probes[self.zero_probe].again = surprise >= SURPRISE
+            self.zero_probe = None
         tried = [0] * self.max_drafts
         accepted = [0] * self.max_drafts
         for proposed, acc in outcomes:
