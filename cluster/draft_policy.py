@@ -138,16 +138,25 @@ class DraftPolicy:
     def _could_win(self, bucket: int, best: int, rate: float) -> list[int]:
         """The bucket's unsettled ks other than `best` that could beat `rate`, the likeliest
         first: each at the expected tokens of its drafts over the time measured at the nearest
-        smaller k, as if the drafts beyond that k were free."""
+        smaller k, as if the drafts beyond that k were free; k = 0 over the least time measured
+        without drafts at a smaller batch bucket (fewer sequences cost no more). Otherwise a
+        first round of k = 0 that stalled would rule it out wherever the best k is far from 0,
+        as neighbours probe it only from k = 1."""
         costs = self.costs.get(bucket, {})
         if all(c.settled for c in costs.values()):
             return []
         measured = {m: c.seconds for m, c in costs.items() if c.samples}
+        plain = [t[0].seconds for b, t in self.costs.items() if b < bucket and 0 in t
+                 and t[0].samples]
         tokens, rated = self._expected_tokens(), []
         for m, c in costs.items():
             below = max((j for j in measured if j < m), default=None)
-            if m != best and not c.settled and below is not None:
+            if m == best or c.settled:
+                continue
+            if below is not None:
                 rated.append((tokens[m] / measured[below], m))
+            elif m == 0 and plain:
+                rated.append((tokens[0] / min(plain), m))
         return [m for r, m in sorted(rated, reverse=True) if r > PROBE_GAIN * rate]
 
     def rates(self, bucket: int) -> list[float] | None:

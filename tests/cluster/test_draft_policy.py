@@ -160,6 +160,21 @@ def test_probes_from_zero_follow_each_other_only_while_they_beat_the_estimates()
     assert min(gaps) == PROBE_EVERY and gaps[-1] == PROBE_MOST
 
 
+def test_a_stalled_first_round_without_drafts_is_measured_again_far_from_k_0():
+    """At batch 32 the one round of k = 0 measured stalled at five times its cost (the bench's
+    DFlash run: 1.40 ms against 0.72 for plain decoding's steps), so k = 7 looked best, and
+    probes, which try the best k's neighbours, never reached 0 again. A round without drafts
+    at batch 8 took 0.5 ms, so k = 0 could win at 32: it is measured again, and wins."""
+    policy = DraftPolicy(7)
+    for _ in range(2):                       # a warm-up, then a measured round, of each
+        policy.record_cost(8, 0, 0.0, 0.0005)
+        policy.record_cost(32, 0, 0.0, 0.0025)
+    ks = simulate(policy, 200, 32, 0.5, block_drafter, random.Random(0))
+    assert policy.costs[32][0].settled
+    assert policy.costs[32][0].seconds == pytest.approx(sum(block_drafter(32, 0)))
+    assert policy.best(32) == 0 and set(without_probes(ks)[-100:]) == {0}
+
+
 def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accepted():
     policy = DraftPolicy(3)
     policy.record_acceptance([(3, 0), (3, 1), (3, 3), (1, 1), (0, 0)])
