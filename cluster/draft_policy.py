@@ -7,7 +7,7 @@ from collections import deque
 
 PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured...
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
-DECAY = 0.95         # per step that observes a position: its history's weight halves in ~14 steps
+DECAY = 0.95         # per draft seen at a position: its history's weight halves in ~14 drafts
 COST_SAMPLES = 5     # a (batch bucket, k)'s step time is the median of its latest 5 rounds...
 CONFIRMED = 3        # ...and it is settled once 3 have been measured (a stall is then outvoted)
 COST_CLIP = 3.0      # a round above 3x the median counts as 3x; one below a third of it starts
@@ -225,7 +225,11 @@ class DraftPolicy:
 
     def record_acceptance(self, outcomes: list[tuple[int, int]]) -> None:
         """One step's (drafts asked for, drafts accepted) per sequence. Draft i was tried when
-        drafts 1..i-1 were accepted; positions the step did not reach keep their history.
+        drafts 1..i-1 were accepted; positions the step did not reach keep their history. The
+        history fades per draft seen, not per step: a step of 32 sequences outweighs the ones
+        before it, so the estimates follow the sequences now running. When a batch ends, the last
+        sequences often are those whose drafts fail (they finish last), and a decay per step kept
+        the full batch's acceptance for them for some 40 rounds of a batch of 2 and of 1.
         Estimates learnt while drafts were failing outlive them when the policy stops drafting:
         only probes measure again, one round in up to PROBE_MOST. So a probe from k = 0 whose
         sequences accepted SURPRISE drafts more than the estimates expected is followed by
@@ -244,8 +248,8 @@ class DraftPolicy:
                 accepted[i] += i < acc
         for i, n in enumerate(tried):
             if n:
-                self.tried[i] = DECAY * self.tried[i] + n
-                self.accepted[i] = DECAY * self.accepted[i] + accepted[i]
+                self.tried[i] = DECAY ** n * self.tried[i] + n
+                self.accepted[i] = DECAY ** n * self.accepted[i] + accepted[i]
 
     def record_cost(self, batch: int, drafts: int, propose_s: float, forward_s: float) -> None:
         """A decode step's seconds: `batch` sequences carrying `drafts` drafts in all."""

@@ -175,6 +175,18 @@ def test_a_stalled_first_round_without_drafts_is_measured_again_far_from_k_0():
     assert policy.best(32) == 0 and set(without_probes(ks)[-100:]) == {0}
 
 
+def test_the_estimates_follow_the_sequences_left_when_a_batch_ends():
+    """A batch of 32 accepts most drafts; its last 2 sequences (those whose drafts fail finish
+    last) accept none. The bench's DFlash run at B=32 spent 40 rounds of batch 2 and 1 at k = 7
+    this way, at twice a round without drafts: the history faded per step, so 20 steps of 32
+    sequences outweighed them. Faded per draft seen, it turns to k = 0 within 15 rounds."""
+    policy, rng = DraftPolicy(7), random.Random(0)
+    simulate(policy, 20, 32, 0.8, block_drafter, rng)
+    simulate(policy, 1, 2, 0.0, block_drafter, rng)   # the first round of batch 2: k = 7's warm-up
+    ks = without_probes(simulate(policy, 40, 2, 0.0, block_drafter, rng))
+    assert ks[0] == 7 and 0 in ks[:15] and set(ks[-20:]) == {0}
+
+
 def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accepted():
     policy = DraftPolicy(3)
     policy.record_acceptance([(3, 0), (3, 1), (3, 3), (1, 1), (0, 0)])
