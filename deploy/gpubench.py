@@ -398,15 +398,23 @@ def release(llm: LLM) -> None:
         torch.cuda.empty_cache()
 
 
-def git_commit() -> str | None:
-    """HEAD of this checkout, or METRALE_COMMIT where the tree was copied without .git."""
+def git_commit(where: Path = Path(__file__).resolve().parent) -> str | None:
+    """HEAD of the checkout at `where`, with "-dirty" when its tracked files differ from HEAD (a
+    change not committed, or a copy of the tree beside a .git older than it: the GPU machine's
+    copies have reported a commit they did not run); METRALE_COMMIT where the caller knows
+    better, or where the tree was copied without .git."""
     if os.environ.get("METRALE_COMMIT"):
         return os.environ["METRALE_COMMIT"]
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=where, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+        head = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return None
+    return head and head + ("-dirty" if changed else "") or None
 
 
 def note(what: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from metrale.deploy.cli import main
-from metrale.deploy.gpubench import weight_bytes
+from metrale.deploy.gpubench import git_commit, weight_bytes
 from metrale.deploy.random_checkpoint import QWEN3_5_SMALL, hf_config, write_random_checkpoint
 
 
@@ -119,3 +119,28 @@ def test_a_negative_steady_waves_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"--steady-waves: -1 is below 0"):
         main(["bench", "--small", "--device", "cpu", "--steady-waves", "-1",
               "--out", str(tmp_path)])
+
+
+def test_the_commit_recorded_says_when_the_tree_is_not_heads(tmp_path, monkeypatch):
+    """A run's JSON names the commit it measured: HEAD, marked dirty when tracked files differ
+    from it (a copy of the tree beside a stale .git reported a commit it did not run); untracked
+    files (scratch scripts) do not count; METRALE_COMMIT overrides; no git repository: None."""
+    import subprocess
+
+    monkeypatch.delenv("METRALE_COMMIT", raising=False)
+    assert git_commit(tmp_path) is None
+
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "scratch.py").write_text("untracked\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head + "-dirty"
+    monkeypatch.setenv("METRALE_COMMIT", "abc1234")
+    assert git_commit(tmp_path) == "abc1234"
