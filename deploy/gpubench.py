@@ -148,7 +148,9 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy decoding of `prompts` together: the decode phase (after every sequence has its first
     token) is timed; tokens/s counts the tokens it emitted, ms per step is its wall / its steps.
     With speculation sequences finish at different rounds, and the last ones run in a smaller
-    batch; `full_batch_tokens_per_s` counts only the steps until the first sequence finished."""
+    batch; `full_batch_tokens_per_s` counts only the steps until the first sequence finished, and
+    `full_batch_s` and `full_batch_steps` say how much of the run they were (the rest is the
+    tail, which plain decoding, finishing every sequence at one step, does not have)."""
     sched = llm.scheduler
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     ids = [llm.add_request(p, params, streamed=False) for p in prompts]   # read at the end
@@ -156,7 +158,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
         llm.step()
     before = sum(len(s.output_ids) for s in sched.running)
     sched.stats = SpecStats()
-    full = None   # (tokens, seconds) when the batch first shrank
+    full = None   # (tokens, seconds, steps) when the batch first shrank
     steps, start = 0, time.perf_counter()
     while llm.has_work:
         llm.step()
@@ -164,13 +166,15 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
         if full is None and len(sched.running) < len(prompts):
             now = time.perf_counter()
             emitted = sum(len(s.output_ids) for i in ids for s in sched.by_request[i]) - before
-            full = (emitted, now - start)
+            full = (emitted, now - start, steps)
     wall = time.perf_counter() - start
     total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
     stats = sched.stats
     return {"tokens_per_s": (total - before) / wall if wall else 0.0,
             "full_batch_tokens_per_s": full[0] / full[1] if full and full[1] else None,
             "full_batch_tokens": full[0] if full else None,
+            "full_batch_s": full[1] if full else None,
+            "full_batch_steps": full[2] if full else None,
             "ms_per_step": 1000 * wall / max(steps, 1), "steps": steps,
             "tokens": total - before, "wall_s": wall,
             "acceptance": (stats.drafts_accepted / stats.drafts_proposed

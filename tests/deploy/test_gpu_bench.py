@@ -44,6 +44,9 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 assert 0 < run["full_batch_tokens"] <= run["tokens"]
                 assert run["full_batch_tokens_per_s"] > 0
                 assert method != "none" or run["full_batch_tokens"] == run["tokens"]
+                assert 0 < run["full_batch_s"] <= run["wall_s"]
+                assert 0 < run["full_batch_steps"] <= run["steps"]
+                assert method != "none" or run["full_batch_steps"] == run["steps"]
                 # steady: 4B requests of 12 tokens, at most B sequences (so tokens) a step
                 b = int(size)
                 assert run["steady_requests"] == 4 * b and run["steady_tokens"] == 4 * b * 12
