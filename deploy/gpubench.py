@@ -613,6 +613,7 @@ def run(args) -> int:
         torch.cuda.set_device(args.device)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    commit = git_commit()   # the tree measured: read once, as the run starts
     start = time.perf_counter()
     copy_size = (64 << 20) if args.small else (2 << 30) if args.device.type == "cuda" else (256 << 20)
     bandwidth = copy_bandwidth(args.device, copy_size)
@@ -627,12 +628,12 @@ def run(args) -> int:
         t = time.perf_counter()
         models[name] = bench_model(name, args, options, bandwidth)
         models[name]["seconds"] = round(time.perf_counter() - t, 1)
-        models[name]["commit"] = git_commit()
+        models[name]["commit"] = commit
         models[name]["steady_waves"] = args.steady_waves
         note(f"{name}: done in {models[name]['seconds']}s")
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(), "argv": sys.argv[1:],
+        "commit": commit, "argv": sys.argv[1:],
         "device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
         "torch": torch.__version__, "dtype": args.dtype_name, "small": args.small,
         "worker_options": {"attention_backend": options.get("attention_backend", "auto"),

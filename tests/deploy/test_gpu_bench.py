@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 
 import pytest
 import torch
@@ -128,8 +129,6 @@ def test_the_commit_recorded_says_when_the_tree_is_not_heads(tmp_path, monkeypat
     """A run's JSON names the commit it measured: HEAD, marked dirty when tracked files differ
     from it (a copy of the tree beside a stale .git reported a commit it did not run); untracked
     files (scratch scripts) do not count; METRALE_COMMIT overrides; no git repository: None."""
-    import subprocess
-
     monkeypatch.delenv("METRALE_COMMIT", raising=False)
     assert git_commit(tmp_path) is None
 
