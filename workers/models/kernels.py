@@ -69,6 +69,31 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
 
     @triton.jit
+    def _attend_block(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, CAUSAL: tl.constexpr,
+                      IEEE: tl.constexpr):
+        """One block of keys k [D, BLOCK_N] and values v [BLOCK_N, D] (positions n, n_ok the real
+        ones) folded into the online softmax (m_i, l_i, acc) of the query rows q."""
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale
+        ok = n_ok[None, :]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= q_pos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
     def _paged_attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, tables_ptr, q_start_ptr,
             q_len_ptr, ctx_ptr, scale, heads, stride_qt, stride_qh, stride_kb, stride_ks,
@@ -81,33 +106,54 @@ if triton is not None:
         one KV head, over one of SPLITS equal ranges (whole BLOCK_N blocks) of the keys those rows
         see; keys stream from the paged cache with an online softmax. With one range the rows are
         normalised into `out`; with several each range leaves its un-normalised float32 partial
-        (acc, running max m, sum l) for _combine_splits_kernel."""
-        _after_previous(PDL)
+        (acc, running max m, sum l) for _combine_splits_kernel.
+
+        Before waiting for the kernel before (see _pdl) it reads what no kernel of the step
+        writes: the rows' layout and block tables (host copies) and, of its first block, the keys
+        and values before the sequence's cached length (earlier steps'); its block's keys from the
+        cached length on (this step's rows, written by the kernel before) it reads after."""
         seq, kv_head = tl.program_id(0), tl.program_id(1)
         tile, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
         q_len = tl.load(q_len_ptr + seq)
-        if tile * BLOCK_L < q_len:
-            q_start = tl.load(q_start_ptr + seq)
-            ctx = tl.load(ctx_ptr + seq)
-            m = tl.arange(0, G_PAD * BLOCK_L)            # query row m: row m // G_PAD, head m % G_PAD
-            row = tile * BLOCK_L + m // G_PAD
-            head = kv_head * GROUP + m % G_PAD
-            row_ok = (row < q_len) & (m % G_PAD < GROUP)
-            d = tl.arange(0, D_PAD)
-            d_ok = d < HEAD_DIM
+        q_start = tl.load(q_start_ptr + seq)
+        ctx = tl.load(ctx_ptr + seq)
+        live = tile * BLOCK_L < q_len
+        m = tl.arange(0, G_PAD * BLOCK_L)            # query row m: row m // G_PAD, head m % G_PAD
+        row = tile * BLOCK_L + m // G_PAD
+        head = kv_head * GROUP + m % G_PAD
+        row_ok = (row < q_len) & (m % G_PAD < GROUP)
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        q_pos = ctx + row
+        end = ctx + q_len
+        if CAUSAL:   # the tile's last row sees keys up to its own position
+            end = ctx + min(q_len, (tile + 1) * BLOCK_L)
+        chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.where(live, min(lo + chunk, end), lo)
+        n = lo + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(tables_ptr + seq * stride_tb + n // PAGE, mask=n_ok, other=0)
+        kv = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+        old = n_ok & (n < ctx)
+        k = tl.load(k_ptr + kv[None, :] + d[:, None], mask=old[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=old[:, None] & d_ok[None, :], other=0.0)
+        _after_previous(PDL)
+        if live:
             q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh
                         + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            q_pos = ctx + row
-            end = ctx + q_len
-            if CAUSAL:   # the tile's last row sees keys up to its own position
-                end = ctx + min(q_len, (tile + 1) * BLOCK_L)
-            chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
-            lo = split * chunk
-            hi = min(lo + chunk, end)
+            new = n_ok & (n >= ctx)
+            k = tl.where(new[None, :], tl.load(k_ptr + kv[None, :] + d[:, None],
+                                               mask=new[None, :] & d_ok[:, None], other=0.0), k)
+            v = tl.where(new[:, None], tl.load(v_ptr + kv[:, None] + d[None, :],
+                                               mask=new[:, None] & d_ok[None, :], other=0.0), v)
             m_i = tl.full([G_PAD * BLOCK_L], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD * BLOCK_L], tl.float32)
             acc = tl.zeros([G_PAD * BLOCK_L, D_PAD], tl.float32)
-            for start in range(lo, hi, BLOCK_N):
+            if lo < hi:
+                m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale,
+                                              CAUSAL, IEEE)
+            for start in range(lo + BLOCK_N, hi, BLOCK_N):
                 n = start + tl.arange(0, BLOCK_N)
                 n_ok = n < hi
                 page = tl.load(tables_ptr + seq * stride_tb + n // PAGE, mask=n_ok, other=0)
@@ -116,26 +162,8 @@ if triton is not None:
                             other=0.0)
                 v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
                             other=0.0)
-                if IEEE:
-                    s = tl.dot(q, k, input_precision="ieee")
-                else:
-                    s = tl.dot(q, k)
-                s = s * scale
-                ok = n_ok[None, :]
-                if CAUSAL:
-                    ok = ok & (n[None, :] <= q_pos[:, None])
-                s = tl.where(ok, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+                m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale,
+                                              CAUSAL, IEEE)
             if SPLITS == 1:
                 out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
                 tl.store(out_ptr + (q_start + row)[:, None] * stride_ot
@@ -155,17 +183,20 @@ if triton is not None:
                                D_PAD: tl.constexpr, PDL: tl.constexpr):
         """One query row of one head: its SPLITS partials, each weighted by exp(m_i - max m), so a
         range with no key for the row (m_i = -inf) weighs nothing; a row with no key at all
-        gets zeros, as in the single-range path."""
+        gets zeros, as in the single-range path. Every range's acc is loaded with its m and l,
+        not after them (one round trip to memory instead of two); the ranges that saw no key
+        left theirs unwritten, and tl.where drops it, whatever it holds."""
         _after_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
         part = (row * heads + head) * SPLITS + tl.arange(0, SPLITS)
         d = tl.arange(0, D_PAD)
         m_s = tl.load(m_ptr + part)
         l_s = tl.load(l_ptr + part)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                      mask=(d < HEAD_DIM)[None, :], other=0.0)
         saw = m_s > float("-inf")
         w = tl.where(saw, tl.exp(m_s - tl.max(m_s, 0)), 0.0)
-        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                      mask=saw[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        acc = tl.where(saw[:, None], acc, 0.0)
         total = tl.sum(w * l_s, 0)
         out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + row * stride_ot + head * stride_oh + d,
