@@ -183,20 +183,17 @@ if triton is not None:
                                D_PAD: tl.constexpr, PDL: tl.constexpr):
         """One query row of one head: its SPLITS partials, each weighted by exp(m_i - max m), so a
         range with no key for the row (m_i = -inf) weighs nothing; a row with no key at all
-        gets zeros, as in the single-range path. Every range's acc is loaded with its m and l,
-        not after them (one round trip to memory instead of two); the ranges that saw no key
-        left theirs unwritten, and tl.where drops it, whatever it holds."""
+        gets zeros, as in the single-range path."""
         _after_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
         part = (row * heads + head) * SPLITS + tl.arange(0, SPLITS)
         d = tl.arange(0, D_PAD)
         m_s = tl.load(m_ptr + part)
         l_s = tl.load(l_ptr + part)
-        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                      mask=(d < HEAD_DIM)[None, :], other=0.0)
         saw = m_s > float("-inf")
         w = tl.where(saw, tl.exp(m_s - tl.max(m_s, 0)), 0.0)
-        acc = tl.where(saw[:, None], acc, 0.0)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                      mask=saw[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
         total = tl.sum(w * l_s, 0)
         out = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + row * stride_ot + head * stride_oh + d,
@@ -595,6 +592,7 @@ if triton is not None:
 # Split-KV: a grid smaller than PROGRAMS_PER_SM programs per SM splits each program's keys into
 # up to MAX_SPLITS ranges, so a small batch (decode, verify) still spreads over the whole GPU.
 PROGRAMS_PER_SM, MAX_SPLITS = 2, 32
+MIN_RANGE_BLOCKS = 1   # key blocks a range spans, at least, at the longest context the tables hold
 INTERPRETER_SMS = 132   # an H100/H200, so that tests under the interpreter take the GPU's paths
 GEMV_ROWS, GEMV_BLOCK = 2, 1024   # weight rows per gemv program, features per stretch (fastest
                                   # on the H200 at Qwen3-8B's shapes, scratch sweep 2026-12-01)
@@ -615,7 +613,8 @@ def attention_splits(programs: int, max_keys: int, block_n: int, device: torch.d
     context lengths), so a CUDA graph captured with it stays valid."""
     target = PROGRAMS_PER_SM * _sm_count(device)
     splits = 1
-    while programs * splits < target and splits < MAX_SPLITS and 2 * splits * block_n <= max_keys:
+    while (programs * splits < target and splits < MAX_SPLITS
+           and 2 * splits * MIN_RANGE_BLOCKS * block_n <= max_keys):
         splits *= 2
     return splits
 
