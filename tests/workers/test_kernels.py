@@ -147,6 +147,15 @@ def test_attention_splits_rule():
     assert 1 < small and sms * small >= kernels.PROGRAMS_PER_SM * sms
 
 
+def test_attention_splits_keep_ranges_of_min_range_blocks(monkeypatch):
+    """With MIN_RANGE_BLOCKS = 4 a range spans at least 4 blocks of the longest context."""
+    device = torch.device(DEVICE)
+    monkeypatch.setattr(kernels, "MIN_RANGE_BLOCKS", 4)
+    assert kernels.attention_splits(8, 512, 64, device) == 2
+    assert kernels.attention_splits(8, 4096, 64, device) == 16
+    assert kernels.attention_splits(8, 255, 64, device) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_put(dtype):
     """Strided k and v rows land in their slots; every other slot keeps its value."""

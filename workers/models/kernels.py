@@ -592,7 +592,10 @@ if triton is not None:
 # Split-KV: a grid smaller than PROGRAMS_PER_SM programs per SM splits each program's keys into
 # up to MAX_SPLITS ranges, so a small batch (decode, verify) still spreads over the whole GPU.
 PROGRAMS_PER_SM, MAX_SPLITS = 2, 32
-MIN_RANGE_BLOCKS = 1   # key blocks a range spans, at least, at the longest context the tables hold
+# Key blocks a range spans, at least, at the longest context the block tables hold. 4 (16 ranges
+# where 1 gives 32 at batch 1, tables of 4096 keys) made the 8B step faster at 512 keys and slower
+# at 3000 on the H200 (README, "Latest results: the 8B decode step"); for A/B runs.
+MIN_RANGE_BLOCKS = 1
 INTERPRETER_SMS = 132   # an H100/H200, so that tests under the interpreter take the GPU's paths
 GEMV_ROWS, GEMV_BLOCK = 2, 1024   # weight rows per gemv program, features per stretch (fastest
                                   # on the H200 at Qwen3-8B's shapes, scratch sweep 2026-12-01)
@@ -609,8 +612,8 @@ def _sm_count(device: torch.device) -> int:
 def attention_splits(programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
     """How many key ranges each of `programs` attention programs is split into: doubled until the
     grid has PROGRAMS_PER_SM programs per SM, at most MAX_SPLITS, and no more ranges than a
-    context of `max_keys` has blocks of `block_n` keys. Only host values go in (never the device
-    context lengths), so a CUDA graph captured with it stays valid."""
+    context of `max_keys` has runs of MIN_RANGE_BLOCKS blocks of `block_n` keys. Only host values
+    go in (never the device context lengths), so a CUDA graph captured with it stays valid."""
     target = PROGRAMS_PER_SM * _sm_count(device)
     splits = 1
     while (programs * splits < target and splits < MAX_SPLITS
