@@ -94,6 +94,22 @@ if triton is not None:
         return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
+    def _key_offsets(tables_ptr, seq, stride_tb, n, n_ok, kv_head, stride_kb, stride_ks,
+                     stride_kh, PAGE: tl.constexpr):
+        """Where the keys (and values) at positions n (n_ok the real ones) of sequence `seq` lie
+        in one layer's pages, for one KV head, through the sequence's block table."""
+        page = tl.load(tables_ptr + seq * stride_tb + n // PAGE, mask=n_ok, other=0)
+        return page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+
+    @triton.jit
+    def _load_kv(k_ptr, v_ptr, kv, d, d_ok, mask):
+        """Keys [D, BLOCK_N] and values [BLOCK_N, D] at offsets kv where `mask` holds, zeros
+        elsewhere."""
+        k = tl.load(k_ptr + kv[None, :] + d[:, None], mask=mask[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=mask[:, None] & d_ok[None, :], other=0.0)
+        return k, v
+
+    @triton.jit
     def _paged_attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, tables_ptr, q_start_ptr,
             q_len_ptr, ctx_ptr, scale, heads, stride_qt, stride_qh, stride_kb, stride_ks,
@@ -133,20 +149,17 @@ if triton is not None:
         hi = tl.where(live, min(lo + chunk, end), lo)
         n = lo + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(tables_ptr + seq * stride_tb + n // PAGE, mask=n_ok, other=0)
-        kv = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        old = n_ok & (n < ctx)
-        k = tl.load(k_ptr + kv[None, :] + d[:, None], mask=old[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=old[:, None] & d_ok[None, :], other=0.0)
+        kv = _key_offsets(tables_ptr, seq, stride_tb, n, n_ok, kv_head, stride_kb, stride_ks,
+                          stride_kh, PAGE)
+        k, v = _load_kv(k_ptr, v_ptr, kv, d, d_ok, n_ok & (n < ctx))
         _after_previous(PDL)
         if live:
             q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh
                         + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             new = n_ok & (n >= ctx)
-            k = tl.where(new[None, :], tl.load(k_ptr + kv[None, :] + d[:, None],
-                                               mask=new[None, :] & d_ok[:, None], other=0.0), k)
-            v = tl.where(new[:, None], tl.load(v_ptr + kv[:, None] + d[None, :],
-                                               mask=new[:, None] & d_ok[None, :], other=0.0), v)
+            k_new, v_new = _load_kv(k_ptr, v_ptr, kv, d, d_ok, new)
+            k = tl.where(new[None, :], k_new, k)
+            v = tl.where(new[:, None], v_new, v)
             m_i = tl.full([G_PAD * BLOCK_L], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD * BLOCK_L], tl.float32)
             acc = tl.zeros([G_PAD * BLOCK_L, D_PAD], tl.float32)
@@ -156,12 +169,9 @@ if triton is not None:
             for start in range(lo + BLOCK_N, hi, BLOCK_N):
                 n = start + tl.arange(0, BLOCK_N)
                 n_ok = n < hi
-                page = tl.load(tables_ptr + seq * stride_tb + n // PAGE, mask=n_ok, other=0)
-                kv = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-                k = tl.load(k_ptr + kv[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
-                            other=0.0)
-                v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                            other=0.0)
+                kv = _key_offsets(tables_ptr, seq, stride_tb, n, n_ok, kv_head, stride_kb,
+                                  stride_ks, stride_kh, PAGE)
+                k, v = _load_kv(k_ptr, v_ptr, kv, d, d_ok, n_ok)
                 m_i, l_i, acc = _attend_block(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale,
                                               CAUSAL, IEEE)
             if SPLITS == 1:
