@@ -146,8 +146,6 @@ class DraftPolicy:
         if all(c.settled for c in costs.values()):
             return []
         measured = {m: c.seconds for m, c in costs.items() if c.samples}
-        plain = [t[0].seconds for b, t in self.costs.items() if b < bucket and 0 in t
-                 and t[0].samples]
         tokens, rated = self._expected_tokens(), []
         for m, c in costs.items():
             below = max((j for j in measured if j < m), default=None)
@@ -155,9 +153,14 @@ class DraftPolicy:
                 continue
             if below is not None:
                 rated.append((tokens[m] / measured[below], m))
-            elif m == 0 and plain:
-                rated.append((tokens[0] / min(plain), m))
+            elif m == 0 and (plain := self._least_time_without_drafts(bucket)) is not None:
+                rated.append((tokens[0] / plain, m))
         return [m for r, m in sorted(rated, reverse=True) if r > PROBE_GAIN * rate]
+
+    def _least_time_without_drafts(self, below: int) -> float | None:
+        """The least step seconds measured at k = 0 at a batch bucket smaller than `below`."""
+        return min((t[0].seconds for b, t in self.costs.items()
+                    if b < below and 0 in t and t[0].samples), default=None)
 
     def rates(self, bucket: int) -> list[float] | None:
         """Expected tokens per second of each k, 0..max_drafts; None before any step of this
