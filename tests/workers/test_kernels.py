@@ -304,13 +304,15 @@ def test_gated_delta_rule(keep, hk, hv, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("length,verify", [(1, False), (2, False), (7, False), (37, False),
-                                           (2, True), (5, True)])
-def test_causal_conv1d_update(dtype, length, verify):
+@pytest.mark.parametrize("length,verify,verify_rows", [
+    (1, False, 1), (2, False, 1), (7, False, 1), (37, False, 1),
+    (2, True, 1), (5, True, 1), (5, True, 16), (5, True, 2)])
+def test_causal_conv1d_update(dtype, length, verify, verify_rows, monkeypatch):
     """Decode, prefill chunks shorter and longer than the window (and than one program's rows),
-    and verifies, of sequences in scattered slots; 300 channels (not a power of two, two
-    programs) read as a view of wider rows. The output and the windows written match the torch
-    reference."""
+    and verifies (a program per row, as by default, or several rows per program), of sequences
+    in scattered slots; 300 channels (not a power of two, two programs) read as a view of wider
+    rows. The output and the windows written match the torch reference."""
+    monkeypatch.setattr(kernels, "CONV_VERIFY_ROWS", verify_rows)
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter mishandles bfloat16")
     g_ = torch.Generator(DEVICE).manual_seed(length + verify)

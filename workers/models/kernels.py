@@ -277,20 +277,30 @@ if triton is not None:
                  tl.load(vstate_ptr + from_entry * state_size + offs, mask=ok), mask=ok)
 
     @triton.jit
-    def _gates(a_ptr, b_ptr, decay, dt_bias):
-        """One row's gates of one value head, as the torch reference computes them: the decay
-        g = -exp(A_log) * softplus(a + dt_bias) in float32 (decay holds -exp(A_log)), and the
-        write strength beta = sigmoid(b) rounded to b's dtype."""
-        x = tl.load(a_ptr).to(tl.float32) + dt_bias
+    def _gates(a, b, decay, dt_bias):
+        """One row's gates of one value head from its raw projections a and b, as the torch
+        reference computes them: the decay g = -exp(A_log) * softplus(a + dt_bias) in float32
+        (decay holds -exp(A_log)), and the write strength beta = sigmoid(b) rounded to b's
+        dtype."""
+        x = a.to(tl.float32) + dt_bias
         # torch's softplus: x above 20, else log1p(exp(x)); log1p stays accurate for tiny exp(x)
         # through log(w) * u / (w - 1) (the interpreter has no libdevice log1p)
         u = tl.exp(x)
         w = 1.0 + u
         log1p = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
         g = decay * tl.where(x > 20.0, x, log1p)
-        b = tl.load(b_ptr)
         beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
         return g, beta
+
+    @triton.jit
+    def _delta_inputs(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, r, stride_q, stride_k, stride_v,
+                      stride_a, stride_b, hk, hv, dk, dv, DK: tl.constexpr, DV: tl.constexpr):
+        """Row r's q and k of key head hk, v's columns dv and the raw gates a, b of value head
+        hv, as stored."""
+        return (tl.load(q_ptr + r * stride_q + hk * DK + dk),
+                tl.load(k_ptr + r * stride_k + hk * DK + dk),
+                tl.load(v_ptr + r * stride_v + hv * DV + dv),
+                tl.load(a_ptr + r * stride_a + hv), tl.load(b_ptr + r * stride_b + hv))
 
     @triton.jit
     def _gated_delta_kernel(
@@ -303,7 +313,8 @@ if triton is not None:
         float32. Row r of q, k, v, a and b starts at r times its stride. The gates come from the
         raw projections a and b (see _gates). The state starts from the sequence's slot; with KEEP
         the state after token t goes to verify entry offsets[slot] + t and the slot is left
-        alone, else the slot is updated."""
+        alone, else the slot is updated. A row's inputs are loaded while the row before is
+        computed (the last row's twice), so the rows wait on the recurrence alone."""
         _after_previous(PDL)
         seq, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // (HV // HK)
@@ -314,14 +325,18 @@ if triton is not None:
         state = tl.load(state_ptr + slot * HV * DK * DV + cell)
         decay = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        q_next, k_next, v_next, a_next, b_next = _delta_inputs(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, seq * length, stride_q, stride_k, stride_v,
+            stride_a, stride_b, hk, hv, dk, dv, DK, DV)
         for t in range(length):
             r = seq * length + t
-            q = tl.load(q_ptr + r * stride_q + hk * DK + dk).to(tl.float32)
-            k = tl.load(k_ptr + r * stride_k + hk * DK + dk).to(tl.float32)
+            q, k, v = q_next.to(tl.float32), k_next.to(tl.float32), v_next.to(tl.float32)
+            g, beta = _gates(a_next, b_next, decay, dt_bias)
+            q_next, k_next, v_next, a_next, b_next = _delta_inputs(
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, seq * length + tl.minimum(t + 1, length - 1),
+                stride_q, stride_k, stride_v, stride_a, stride_b, hk, hv, dk, dv, DK, DV)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-            v = tl.load(v_ptr + r * stride_v + hv * DV + dv).to(tl.float32)
-            g, beta = _gates(a_ptr + r * stride_a + hv, b_ptr + r * stride_b + hv, decay, dt_bias)
             state = state * tl.exp(g)
             delta = (v - tl.sum(state * k[:, None], 0)) * beta
             state = state + k[:, None] * delta[None, :]
@@ -890,7 +905,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-CONV_BLOCK, CONV_ROWS = 256, 16   # channels and rows per conv program
+CONV_BLOCK, CONV_ROWS = 256, 16   # channels and rows per conv program...
+# ...and rows per program of a verify, which writes no slot window: each row its own program, so
+# a verify's rows run side by side instead of one after another in a program
+CONV_VERIFY_ROWS = 1
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
@@ -906,11 +924,12 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Te
     assert x.stride(2) == 1 and weight.is_contiguous() and window.is_contiguous()
     assert (keep is None or keep.is_contiguous()) and taps - 1 <= CONV_ROWS
     out = torch.empty(n_seq, length, channels, dtype=x.dtype, device=x.device)
-    grid = (n_seq, triton.cdiv(channels, CONV_BLOCK), triton.cdiv(length, CONV_ROWS))
+    rows = CONV_ROWS if keep is None else CONV_VERIFY_ROWS
+    grid = (n_seq, triton.cdiv(channels, CONV_BLOCK), triton.cdiv(length, rows))
     _causal_conv1d_kernel[grid](
         x, weight, window, slots, keep if keep is not None else window,
         offsets if offsets is not None else slots, out, length, channels, x.stride(0),
-        x.stride(1), K=taps, BLOCK=CONV_BLOCK, ROWS=CONV_ROWS, KEEP=keep is not None,
+        x.stride(1), K=taps, BLOCK=CONV_BLOCK, ROWS=rows, KEEP=keep is not None,
         **_pdl(), num_warps=4)
     return out
 
