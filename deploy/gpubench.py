@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steady-waves", type=int, default=4,
                    help="also run this many batches' worth of requests through at most B "
                         "sequences at a time, as under steady serving load (0: not)")
-    p.add_argument("--iters", type=int, default=20, help="timed forwards per forward-cost figure")
+    p.add_argument("--iters", type=int, default=20,
+                   help="timed forwards per forward-cost figure in each of its FORWARD_TURNS turns")
     p.add_argument("--repeat", type=int, default=3,
                    help="engine runs per method and batch size, taken in turns (the median counts)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
@@ -264,10 +265,15 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     return out
 
 
+FORWARD_TURNS = 3   # turns the forward shapes take
+
+
 def forward_costs(model_dir: str, args, options: dict) -> dict:
     """Median ms of one target forward: decode (1 row) at each batch size, and a verify of k
     drafts (k + 1 rows) at batch 1, all after `prompt_len` cached tokens; with the weight bytes
-    the floor uses."""
+    the floor uses. The shapes take FORWARD_TURNS turns, each timing `args.iters` forwards, and
+    each keeps the median of its turns: a small model's forward is mostly host time, and a drift
+    of the host's speed then hits decode and verify alike instead of whichever ran first."""
     top = max(args.batch_sizes)
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
               kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
@@ -276,9 +282,16 @@ def forward_costs(model_dir: str, args, options: dict) -> dict:
               verify_pool_bytes=verify_pool_bytes(model_dir, args.dtype, 1),
               **{"max_drafts": MAX_VERIFY, "capture_at_start": False, **options})
     w = llm.worker
-    decode = {b: w.time_forward(b, 1, args.prompt_len, args.iters) for b in args.batch_sizes}
-    verify = {k: w.time_forward(1, k + 1, args.prompt_len, args.iters) for k in args.verify_ks}
-    one = w.time_forward(1, 1, args.prompt_len, args.iters) if 1 not in decode else decode[1]
+    shapes = list(dict.fromkeys([(b, 1) for b in [1, *args.batch_sizes]]
+                                + [(1, k + 1) for k in args.verify_ks]))   # (batch, rows)
+    turns: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+    for _ in range(FORWARD_TURNS):
+        for b, rows in shapes:
+            turns[b, rows].append(w.time_forward(b, rows, args.prompt_len, args.iters))
+    ms = {s: statistics.median(t) for s, t in turns.items()}
+    decode = {b: ms[b, 1] for b in args.batch_sizes}
+    verify = {k: ms[1, k + 1] for k in args.verify_ks}
+    one = ms[1, 1]
     out = {"context_len": args.prompt_len, "decode_ms": decode, "verify_ms_batch1": verify,
            "verify_over_decode_batch1": {k: v / one for k, v in verify.items()},
            "weight_bytes": weight_bytes(w.model),
