@@ -303,6 +303,20 @@ def test_gated_delta_rule(keep, hk, hv, dim):
         assert torch.equal(state[untouched], before[untouched])
 
 
+def test_gated_delta_rule_of_no_rows_leaves_the_states():
+    """Sequences of no rows: nothing is read (the kernel loads a row ahead of its loop) and no
+    state changes."""
+    q = k = torch.zeros(2, 0, 1, 32, device=DEVICE)
+    v = torch.zeros(2, 0, 2, 32, device=DEVICE)
+    a = b = torch.zeros(2, 0, 2, device=DEVICE)
+    state = torch.randn(3, 2, 32, 32, device=DEVICE)
+    before = state.clone()
+    out = kernels.gated_delta_rule(q, k, v, a, b, torch.zeros(2, device=DEVICE),
+                                   torch.zeros(2, device=DEVICE), state,
+                                   torch.tensor([2, 0], device=DEVICE))
+    assert out.shape == (2, 0, 2, 32) and torch.equal(state, before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("length,verify,verify_rows", [
     (1, False, 1), (2, False, 1), (7, False, 1), (37, False, 1),

@@ -745,8 +745,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     n_seq, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     assert dk == _pow2(dk) and dv == _pow2(dv) and hv % hk == 0, "power-of-two head dims"
-    q, k, v, a, b = (_flat_rows(x) for x in (q, k, v, a, b))
     out = torch.empty(n_seq, length, hv, dv, dtype=v.dtype, device=v.device)
+    if length == 0:   # no rows: the kernel would still load a first row before its loop
+        return out
+    q, k, v, a, b = (_flat_rows(x) for x in (q, k, v, a, b))
     bv = min(dv, 32)
     _gated_delta_kernel[(n_seq, hv, dv // bv)](
         q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
