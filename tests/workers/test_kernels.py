@@ -304,8 +304,8 @@ def test_gated_delta_rule(keep, hk, hv, dim):
 
 
 def test_gated_delta_rule_of_no_rows_leaves_the_states():
-    """Sequences of no rows: nothing is read (the kernel loads a row ahead of its loop) and no
-    state changes."""
+    """Sequences of no rows: an empty output and no state changed (the wrapper returns before
+    the kernel, which loads a first row ahead of its loop)."""
     q = k = torch.zeros(2, 0, 1, 32, device=DEVICE)
     v = torch.zeros(2, 0, 2, 32, device=DEVICE)
     a = b = torch.zeros(2, 0, 2, device=DEVICE)
