@@ -619,7 +619,7 @@ if triton is not None:
 PROGRAMS_PER_SM, MAX_SPLITS = 2, 32
 # Key blocks a range spans, at least, at the longest context the block tables hold. 4 (16 ranges
 # where 1 gives 32 at batch 1, tables of 4096 keys) made the 8B step faster at 512 keys and slower
-# at 3000 on the H200 (README, "Latest results: the 8B decode step"); for A/B runs.
+# at 3000 on the H200 (README, "Results: the 8B decode step"); for A/B runs.
 MIN_RANGE_BLOCKS = 1
 INTERPRETER_SMS = 132   # an H100/H200, so that tests under the interpreter take the GPU's paths
 GEMV_ROWS, GEMV_BLOCK = 2, 1024   # weight rows per gemv program, features per stretch (fastest
