@@ -43,7 +43,9 @@ def profile(spec: str, prompts) -> None:
         wrap(w.ssm, "commit", ph, "ssm.commit")
     if w.proposer is not None:
         wrap(w.proposer, "commit", ph, "proposer.commit")
-    wrap(w, "execute", ph, "worker.execute (all)")
+    for name in ("_launch_decode", "_read_flights"):   # steps that fly (Worker.launch)
+        wrap(w, name, ph, "worker." + name)
+    wrap(w, "launch", ph, "worker.launch (all)")
     wrap(s, "schedule", ph, "scheduler.schedule")
     wrap(s, "update", ph, "scheduler.update")
     wrap(s, "_measure", ph, "  scheduler._measure")

@@ -292,6 +292,45 @@ def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):
     assert cost.samples == 1 and cost.propose_s == 0.001 and cost.forward_s >= 0.049
 
 
+def test_a_round_planned_ahead_is_timed_from_the_update_before_it(checkpoint):
+    """On a worker that lets rounds without drafts fly, such a round is planned while the one
+    before runs. Its cost is the time from that one's update to its own, the next plan's
+    launch included; the last before a round with drafts (no plan after it) is not timed."""
+    from dataclasses import replace
+    from metrale.cluster.plan import AHEAD
+    s = scheduler(checkpoint, (4, 4), num_drafts=4)
+    s.capacity = replace(s.capacity, undrafted_ahead=True)
+    s.plans_ahead = True
+    now = [100.0]
+    s.clock = lambda: now[0]
+    for i in range(2):
+        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    step(s)                                     # the prompts
+    answers = iter([0, 0, 0, 4])
+    s.drafts.choose = lambda batch: next(answers)
+
+    def done(plan, at):
+        now[0] = at
+        s.update(plan, StepResult([SeqOutcome(w.seq_id, [7]) for w in plan.work], 0.0, 0.5))
+
+    first = s.schedule()                         # k = 0 at t=100, then one ahead of it at 101
+    now[0] = 101.0
+    ahead = s.schedule()
+    assert all(w.tokens == [AHEAD] and not w.num_drafts for w in ahead.work)
+    done(first, 110.0)                            # 10 from its planning: the k's warm-up
+    assert s.drafts.costs[2][0].forward_s == 10.0 and s.drafts.costs[2][0].samples == 0
+    now[0] = 111.0
+    third = s.schedule()                         # ahead of `ahead`
+    done(ahead, 114.0)                            # 4 after the update before it, not 13
+    now[0] = 115.0
+    assert not s.schedule().work                 # the policy answers 4: wait for the results
+    done(third, 117.0)                            # no plan after it: not timed
+    assert s.drafts.costs[2][0].forward_s == 4.0 and s.drafts.costs[2][0].samples == 1
+    drafted = s.schedule()                       # k = 4, from the answer given before
+    assert [w.num_drafts for w in drafted.work] == [4, 4]
+    assert not s.schedule().work                 # nothing ahead of a round with drafts
+
+
 def test_fixed_drafts_switch(checkpoint):
     s = scheduler(checkpoint, (4,), num_drafts=3, adaptive_drafts=False)
     s.add_request("r", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
