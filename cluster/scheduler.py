@@ -446,9 +446,11 @@ class Scheduler:
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
         asked for: one the proposer did not make gains no token, like a rejected one. The time
         runs from planning to the end of this update, so it holds the host's work per step and
-        per token (planning, transport, detokenising, stop checks) beside the worker's. A plan
-        made ahead was planned and launched while the one before ran: its time runs from that
-        one's update, and counts only when the plan after it was launched meanwhile too."""
+        per token (planning, transport, detokenising, stop checks) beside the worker's. Rounds
+        without drafts that may be planned ahead are timed only in a run of them, as they run
+        when k = 0 is best: a plan made ahead was planned and launched while the one before ran,
+        so its time runs from that one's update, and counts only when the plan after it was
+        launched meanwhile too; the run's first plan, planned after an update, is not timed."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
@@ -456,7 +458,10 @@ class Scheduler:
         self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
-            if any(w.tokens[0] == AHEAD for w in plan.work):
+            ahead = any(w.tokens[0] == AHEAD for w in plan.work)
+            if self.plans_ahead and not ahead and not any(w.num_drafts for w in plan.work):
+                return   # the first of a run of rounds planned ahead: it pays the run's start
+            if ahead:
                 # planned while the step before ran: its cost is what it added after that one,
                 # the next plan's launch included; without a next plan it would be too little
                 if not any(w.seq_id in self.in_flight for w in plan.work):
