@@ -80,8 +80,6 @@ class WorkerCapacity:
     pad_drafts: bool = False               # the worker verifies filler rows up to a planned depth
     graphs: bool = False                   # it replays captured decode/verify steps: a step that
                                            # mixes a prefill chunk in runs eagerly
-    undrafted_ahead: bool = False          # with its proposer, a round without drafts may be
-                                           # planned ahead of the one before (Worker.launch)
 
     @property
     def has_proposer(self) -> bool:

@@ -68,13 +68,8 @@ class Scheduler:
         self.in_flight: dict[int, int] = {}
         # Plain decoding needs no verdict to plan the next step: the worker fills in the token
         # it sampled the step before (AHEAD), so a worker holding two plans runs whole batches.
-        # With drafts, so may the rounds the draft policy runs without any, on a worker whose
-        # proposer allows it (WorkerCapacity.undrafted_ahead).
-        self.plans_ahead = config.plan_ahead and (not self.num_drafts or capacity.undrafted_ahead)
-        # sequence id -> its plans' steps in flight; 0 for a round with drafts (tokens unknown)
-        self.flying_steps: dict[int, list[int]] = {}
-        self.k_next: int | None = None   # a round's k chosen while its sequences were in flight
-        self.updated_at = 0.0            # the clock when the latest update ended
+        self.plans_ahead = config.plan_ahead and not self.num_drafts
+        self.flying_steps: dict[int, list[int]] = {}   # sequence id -> its plans' steps in flight
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
@@ -219,10 +214,7 @@ class Scheduler:
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
         decoding = sum(s.num_pending == 1 for s in idle)
-        k_round = 0
-        if decoding and self.num_drafts:
-            k_round = self.drafts.choose(decoding) if self.k_next is None else self.k_next
-            self.k_next = None
+        k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
             if budget == 0:
                 break
@@ -262,11 +254,11 @@ class Scheduler:
         pad = self._pad_depth(chosen)
         work = [self._work(seq, n, k, pad.get(seq.seq_id, 0), decode_steps.get(seq.seq_id, 1))
                 for seq, n, k in chosen]
-        if self.plans_ahead and not prefill_only and not k_round:
-            work += self._ahead(min(room - len(work), budget), decided=bool(decoding))
+        if self.plans_ahead and not prefill_only:
+            work += self._ahead(min(room - len(work), budget))
         for w in work[:len(chosen)]:
             self.in_flight[w.seq_id] = 1
-            self.flying_steps[w.seq_id] = [0 if w.num_drafts or w.pad_to else w.steps]
+            self.flying_steps[w.seq_id] = [w.steps]
         return work
 
     def _decode_steps(self, seq: Sequence, flying: int) -> int:
@@ -296,36 +288,24 @@ class Scheduler:
             return None
         return tokens, cached, n
 
-    def _ahead(self, room: int, decided: bool = False) -> list[SeqWork]:
+    def _ahead(self, room: int) -> list[SeqWork]:
         """Decode steps for sequences whose one step in flight samples their next token: the
         row is that token (AHEAD), which the worker fills in from the step before, since it runs
         plans in order. A sequence whose token in flight ends it by length is not planned; one
         that the token ends otherwise (EOS, a stop) wastes the row, whose output is dropped.
-        Never preempts: a sequence without a free block for the row waits for its result.
-        With drafts, only a round without any is planned ahead: unless the plan's other
-        sequences were `decided` so, the draft policy chooses k for these; a k above 0 waits
-        for their results, and their next round takes it (`k_next`)."""
-        ready = []
+        Never preempts: a sequence without a free block for the row waits for its result."""
+        work = []
         for seq in self.running:
-            if len(ready) == room:
+            if len(work) == room:
                 break
             if self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1:
                 continue
             flying = self.flying_steps[seq.seq_id][0]   # tokens its step in flight samples
-            if (not flying or seq.params.grammar is not None or seq.params.constraint is not None
-                    or self._tokens_left(seq) <= flying):
-                continue
-            ready.append((seq, flying))
-        if ready and self.num_drafts and not decided:
-            k = self.drafts.choose(len(ready))
-            if k:
-                self.k_next = k
-                return []
-        work = []
-        for seq, flying in ready:
             steps = self._decode_steps(seq, flying)
             end = seq.num_tokens + flying - 1 + steps
-            if not self.blocks.can_append(seq.block_table, end):
+            if (seq.params.grammar is not None or seq.params.constraint is not None
+                    or self._tokens_left(seq) <= flying
+                    or not self.blocks.can_append(seq.block_table, end)):
                 continue
             self.blocks.append(seq.block_table, end)
             self.in_flight[seq.seq_id] = 2
@@ -360,7 +340,6 @@ class Scheduler:
                                     in zip(outcome.tokens[:taken], outcome.logprobs))
             touched.append(seq)
         self._measure(plan, result, outcomes)
-        self.updated_at = self.clock()
         return touched
 
     def forget(self, plan: StepPlan) -> None:
@@ -446,11 +425,7 @@ class Scheduler:
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
         asked for: one the proposer did not make gains no token, like a rejected one. The time
         runs from planning to the end of this update, so it holds the host's work per step and
-        per token (planning, transport, detokenising, stop checks) beside the worker's. Rounds
-        without drafts that may be planned ahead are timed only in a run of them, as they run
-        when k = 0 is best: a plan made ahead was planned and launched while the one before ran,
-        so its time runs from that one's update, and counts only when the plan after it was
-        launched meanwhile too; the run's first plan, planned after an update, is not timed."""
+        per token (planning, transport, detokenising, stop checks) beside the worker's."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
@@ -458,21 +433,9 @@ class Scheduler:
         self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
                                        for w in plan.work if w.seq_id in outcomes])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
-            ahead = any(w.tokens[0] == AHEAD for w in plan.work)
-            if self.plans_ahead and not ahead and not any(w.num_drafts for w in plan.work):
-                return   # the first of a run of rounds planned ahead: it pays the run's start
-            if ahead:
-                # planned while the step before ran: its cost is what it added after that one,
-                # the next plan's launch included; without a next plan it would be too little
-                if not any(w.seq_id in self.in_flight for w in plan.work):
-                    return
-                span = self.clock() - max(plan.planned_at, self.updated_at)
-                forward = span - result.propose_s
-            else:
-                span = self.clock() - plan.planned_at if plan.planned_at else 0.0
-                forward = max(result.forward_s, span - result.propose_s)
+            span = self.clock() - plan.planned_at if plan.planned_at else 0.0
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
-                                    result.propose_s, forward)
+                                    result.propose_s, max(result.forward_s, span - result.propose_s))
 
     @staticmethod
     def _draft_limit(requested: int, capacity: WorkerCapacity) -> int:

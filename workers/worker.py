@@ -89,12 +89,9 @@ class InFlight:
     ran to its end at launch holds its result already."""
 
     def __init__(self, worker: "Worker | None", work: list[SeqWork] = (), best=None, host=None,
-                 done=None, start: float = 0.0, result: StepResult | None = None,
-                 taken: list[tuple[int, list[int]]] = ()):
-        # best: the argmaxes on the device; host: their pinned copy, valid once `done` has passed;
-        # taken: (sequence, its history) per row whose token the step before sampled
+                 done=None, start: float = 0.0, result: StepResult | None = None):
+        # best: the argmaxes on the device; host: their pinned copy, valid once `done` has passed
         self.worker, self.work, self.best, self.host = worker, work, best, host
-        self.taken = taken
         self.done, self.start = done, start
         self.rows = {w.seq_id: i for i, w in enumerate(work)}   # one row a sequence
         self._result = result
@@ -206,8 +203,7 @@ class Worker:
             fixed_drafts=p.fixed_drafts if p else None,
             propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
             prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda",
-            pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs,
-            undrafted_ahead=self.use_graphs and p is not None and not p.keeps_row_state)
+            pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs)
         self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
         self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
         self._grammar_compiler = None
@@ -309,11 +305,8 @@ class Worker:
 
     def _flies(self, work: list[SeqWork]) -> bool:
         """Whether a step may run without a host sync: plain greedy decoding of every sequence
-        on the graph path (no drafts, logprobs or masks, one rank). A proposer that drafts from
-        the token history (n-gram, self-speculation) lets such a step fly, the history kept as
-        the tokens are read; one built from every row's hidden state (MTP, DFlash) does not."""
-        return (self.graphs is not None and self.tp.size == 1
-                and (self.proposer is None or not self.proposer.keeps_row_state)
+        on the graph path (no drafts, logprobs or masks, one rank, no proposer to feed)."""
+        return (self.graphs is not None and self.proposer is None and self.tp.size == 1
                 and bool(work) and all(
                     len(w.tokens) == 1 and w.num_drafts == 0 and w.steps == 1
                     and w.sample is not None
@@ -344,18 +337,10 @@ class Worker:
         layout = RowsLayout.of([([max(w.tokens[0], 0)], w.context_len, w.block_table, w.slot)
                                 for w in work], self.config.block_size)
         fresh = [w for w in work if w.context_len == 0]   # one-token prompts
-        for w in fresh:
+        for w in fresh:   # (no proposer: the history of a step in flight is not kept)
             self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
         if fresh and self.ssm is not None:
             self.ssm.reset([w.slot for w in fresh])
-        # A row's token joins its slot's history now, or, taken on the device, when the step
-        # that sampled it is read (the list is held: the slot may have a new one by then).
-        taken = []
-        for w in work:
-            if w.tokens[0] == AHEAD:
-                taken.append((w.seq_id, self.history[w.slot]))
-            else:
-                self.history[w.slot].extend(w.tokens)
         if len(self._flying) == FLIGHTS:   # its landing row is the oldest one's
             self._read_flights(self._flying[0])
         _, _, logits = self.graphs.run(layout, patch, keep_hidden=False)
@@ -365,7 +350,7 @@ class Worker:
         host.copy_(best, non_blocking=True)   # a copy in stream order, read on the host later
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        flight = InFlight(self, work, best, host, done, start, taken=taken)
+        flight = InFlight(self, work, best, host, done, start)
         self._flying.append(flight)
         return flight
 
@@ -385,10 +370,6 @@ class Worker:
                 outcomes = [SeqOutcome(w.seq_id, [t], 0, 0) for w, t in zip(flight.work, tokens)]
                 if self._flying[-1] is flight:   # no launch took these tokens on the device
                     self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
-                else:   # the next launch took some: they join the histories it held
-                    sampled = {w.seq_id: t for w, t in zip(flight.work, tokens)}
-                    for seq_id, history in self._flying[1].taken:
-                        history.append(sampled[seq_id])
                 self._flying.popleft()
                 flight._result = StepResult(outcomes, 0.0, time.perf_counter() - flight.start)
 

@@ -292,47 +292,6 @@ def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):
     assert cost.samples == 1 and cost.propose_s == 0.001 and cost.forward_s >= 0.049
 
 
-def test_a_round_planned_ahead_is_timed_from_the_update_before_it(checkpoint):
-    """On a worker that lets rounds without drafts fly, such a round is planned while the one
-    before runs. Its cost is the time from that one's update to its own, the next plan's
-    launch included. The first of a run of them (planned after an update, the pipeline not yet
-    full) and the last (no plan after it: it waits for a round with drafts) are not timed."""
-    from dataclasses import replace
-    from metrale.cluster.plan import AHEAD
-    s = scheduler(checkpoint, (4, 4), num_drafts=4)
-    s.capacity = replace(s.capacity, undrafted_ahead=True)
-    s.plans_ahead = True
-    now = [100.0]
-    s.clock = lambda: now[0]
-    for i in range(2):
-        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
-    step(s)                                      # the prompts
-    answers = iter([0, 0, 0, 0, 0, 4])
-    s.drafts.choose = lambda batch: next(answers)
-
-    def done(plan, at):
-        now[0] = at
-        s.update(plan, StepResult([SeqOutcome(w.seq_id, [7]) for w in plan.work], 0.0, 0.5))
-
-    plans = [s.schedule()]                       # k = 0 at t=100, then one ahead of it at 101
-    now[0] = 101.0
-    plans.append(s.schedule())
-    assert all(w.tokens == [AHEAD] and not w.num_drafts for w in plans[1].work)
-    for i, at in enumerate([110.0, 114.0, 120.0]):
-        done(plans[i], at)                       # 110: the first, not timed
-        now[0] = at + 1
-        plans.append(s.schedule())               # ahead of the plan in flight
-    costs = s.drafts.costs[2][0]                 # 114 - 110: the k's warm-up; 120 - 114: timed
-    assert costs.samples == 1 and costs.forward_s == 6.0
-    done(plans[3], 125.0)                        # 125 - 120
-    assert costs.samples == 2 and costs.forward_s == 5.5
-    assert not s.schedule().work                 # the policy answers 4: wait for the results
-    done(plans[4], 127.0)                        # no plan after it: not timed
-    assert costs.samples == 2
-    assert [w.num_drafts for w in s.schedule().work] == [4, 4]   # the k answered before
-    assert not s.schedule().work                 # nothing is planned ahead of drafts
-
-
 def test_fixed_drafts_switch(checkpoint):
     s = scheduler(checkpoint, (4,), num_drafts=3, adaptive_drafts=False)
     s.add_request("r", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))

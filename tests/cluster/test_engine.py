@@ -13,7 +13,7 @@ from conftest import PROMPTS
 from metrale.cluster.engine import ReplicaEngine
 from metrale.cluster.executor import LocalExecutor
 from metrale.cluster.params import SamplingParams
-from metrale.cluster.plan import AHEAD, SeqWork
+from metrale.cluster.plan import AHEAD
 from metrale.cluster.scheduler import SchedulerConfig
 from metrale.deploy.llm import LLM, load_tokenizer
 from metrale.workers.worker import Worker, WorkerConfig
@@ -277,63 +277,6 @@ def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint, decode
     assert scheduler.slots.num_free == scheduler.capacity.num_slots
     assert not scheduler.in_flight and not scheduler.running and not scheduler.by_request
     assert not scheduler.flying_steps
-
-
-def scripted_ks(scheduler, ks: list[int]) -> list[int]:
-    """Makes the scheduler's draft policy answer `ks` in turn, round after round; returns the
-    batch sizes it was asked about."""
-    asked, turn = [], iter(ks * 100)
-    scheduler.drafts.choose = lambda batch: asked.append(batch) or next(turn)
-    return asked
-
-
-def test_rounds_without_drafts_are_planned_ahead_of_the_one_before(checkpoint):
-    """With n-gram drafts on a worker that lets undrafted rounds fly (as on a GPU), a round the
-    draft policy runs without drafts is planned while the one before is in flight, and one with
-    drafts waits for its sequences' results. Rounds of k = 0, 3 and 2 in turn give plain greedy
-    decoding's tokens; no row is planned ahead of a round with drafts; the policy is asked less
-    than once a plan; the worker's token history per sequence is its prompt and every output token it
-    ran; and every block and slot is free at the end."""
-    model_dir = checkpoint("qwen3_5")
-    config = dict(block_size=4, max_num_seqs=8)
-    prompts = [load_tokenizer(model_dir).encode(p).ids for p in PROMPTS]
-    lengths = [30, 17, 24, 9][:len(prompts)]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
-    expected = [o.completions[0].token_ids
-                for o in LLM(model_dir, device="cpu", **config).generate(prompts, params)]
-    worker = Worker(WorkerConfig(str(model_dir), "cpu", speculative_method="ngram", max_drafts=3,
-                                 **config))
-    assert not worker.capacity.undrafted_ahead   # no CUDA graphs here: granted for the test
-    worker.capacity = replace(worker.capacity, undrafted_ahead=True)
-
-    async def run():
-        executor = RecordingExecutor(worker)
-        eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8), 3,
-                                  load_tokenizer(model_dir))
-        scheduler = eng.lanes[0].scheduler
-        assert scheduler.plans_ahead and eng.steps_in_flight(eng.lanes[0]) == 2
-        asked = scripted_ks(scheduler, [0, 0, 0, 3, 0, 2])
-        eng.start()
-        outs = await asyncio.gather(*(collect(eng, f"r{i}", ids, p)
-                                      for i, (ids, p) in enumerate(zip(prompts, params))))
-        await eng.stop()
-        return executor, scheduler, asked, outs
-    executor, scheduler, asked, outs = asyncio.run(run())
-    assert [o[0]["ids"] for o in outs] == expected
-    last: dict[int, SeqWork] = {}   # sequence id -> its work in the plan before
-    ahead = drafted = 0
-    for plan in executor.plans:
-        for w in plan.work:
-            if w.tokens == [AHEAD]:
-                ahead += 1
-                assert last[w.seq_id].num_drafts == 0 and last[w.seq_id].pad_to == 0
-            drafted += w.num_drafts > 0
-            last[w.seq_id] = w
-    assert ahead > 20 and drafted > 10 and len(asked) < len(executor.plans)
-    for ids, out in zip(prompts, expected):
-        assert ids + out[:-1] in worker.history
-    assert scheduler.blocks.num_free == scheduler.blocks.num_blocks
-    assert not scheduler.in_flight and not scheduler.flying_steps and not scheduler.running
 
 
 def test_a_row_planned_ahead_runs_the_token_the_step_before_sampled(checkpoint):

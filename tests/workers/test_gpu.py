@@ -142,38 +142,3 @@ def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint,
     outs = llm.generate(prompts, [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
                                   SamplingParams(max_tokens=32, temperature=0.8, seed=1)])
     assert outs[0].token_ids == refs[0] and any(late)
-
-
-@pytest.mark.parametrize("method,flies", [("ngram", True), ("self", True), ("mtp", False)])
-def test_speculative_rounds_without_drafts_fly_and_keep_the_reference_tokens(checkpoint,
-                                                                            monkeypatch, method,
-                                                                            flies):
-    """With an n-gram or self-speculative proposer, rounds the draft policy runs without drafts
-    are launched ahead of the one before, as plain decoding's steps are, and rounds with drafts
-    wait for their results; the tokens are transformers' greedy ones, and the worker's token
-    history per sequence (what the n-gram proposer drafts from) is its prompt and every output
-    token it ran, the tokens of steps in flight included. MTP's drafter needs each row's
-    hidden state, so its rounds never fly."""
-    from conftest import PROMPTS
-    from metrale.workers.worker import Worker
-    flights = []
-    launch = Worker._launch_decode
-    monkeypatch.setattr(Worker, "_launch_decode",
-                        lambda self, work: flights.append(len(work)) or launch(self, work))
-    model_dir = checkpoint("qwen3_5")
-    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=16,
-              speculative_method=method, num_drafts=3)
-    assert llm.worker.capacity.undrafted_ahead is flies and llm.scheduler.plans_ahead is flies
-    turn = iter([0, 0, 0, 0, 3, 0, 0, 2] * 100)
-    llm.scheduler.drafts.choose = lambda batch: next(turn)
-    prompts = [llm.encode(p) for p in PROMPTS[:3]]
-    lengths = [40, 23, 31]
-    refs = [checkpoints.reference_greedy(model_dir, p, n) for p, n in zip(prompts, lengths)]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-                                  for n in lengths])
-    assert [o.token_ids for o in outs] == refs
-    assert llm.scheduler.stats.drafts_proposed > 0
-    assert (len(flights) > 20) if flies else not flights
-    for ids, ref in zip(prompts, refs):
-        assert ids + ref[:-1] in llm.worker.history
-    assert not llm.worker._flying
