@@ -253,8 +253,9 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
                     steady[spec].append(steady_run(llm, prompts[:b * args.steady_waves], b,
                                                    args.new_tokens))
         for spec, these in runs.items():
-            these.sort(key=lambda r: r["tokens_per_s"])
-            out[spec][b] = these[len(these) // 2]
+            turns = [r["tokens_per_s"] for r in these]   # in the order run: turn t of every
+            these.sort(key=lambda r: r["tokens_per_s"])  # method ran back to back
+            out[spec][b] = {**these[len(these) // 2], "turns_tokens_per_s": turns}
             each = ", ".join(f"{r['tokens_per_s']:.0f}" for r in these)
             note(f"  {spec} batch {b}: {out[spec][b]['tokens_per_s']:.1f} tokens/s (runs {each})")
             if steady[spec]:

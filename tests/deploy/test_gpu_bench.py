@@ -41,6 +41,9 @@ def test_bench_small_on_cpu(tmp_path, capsys):
             assert set(runs) == {"1", "2"}
             for size, run in runs.items():
                 assert run["tokens_per_s"] > 0 and run["ms_per_step"] > 0 and run["tokens"] > 0
+                # each turn's run, in order; the median is the one kept
+                assert len(run["turns_tokens_per_s"]) == 3
+                assert sorted(run["turns_tokens_per_s"])[1] == run["tokens_per_s"]
                 # until the first sequence finished; plain sequences all finish in one step
                 assert 0 < run["full_batch_tokens"] <= run["tokens"]
                 assert run["full_batch_tokens_per_s"] > 0
