@@ -436,8 +436,8 @@ def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
 @pytest.mark.parametrize("m,n_out,n_in", [(2, 50, 64), (8, 37, 300), (16, 96, 1500), (5, 1024, 256)])
 def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypatch):
     """2 to 16 rows (views of wider rows) of a small weight through the few-rows kernel, and
-    [gate | up] with the SiLU applied to its sums as silu_mul rounds them; 17 rows, a weight
-    over FEW_MAX_WEIGHTS, or autograd on, go to F.linear."""
+    [gate | up] with the SiLU applied to its sums as silu_mul rounds them; 17 rows, a large
+    weight few_rows_plan leaves to cuBLAS, or autograd on, go to F.linear."""
     calls = []
     few_rows = kernels.few_rows
     monkeypatch.setattr(kernels, "few_rows",
@@ -453,9 +453,11 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
         assert out.shape == (m, n_out) and out.dtype == dtype
         assert rel_err(out, F.linear(rows[:m].float(), w.float())) < tol
         assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # 17 rows: cuBLAS
-        big = torch.zeros(kernels.FEW_MAX_WEIGHTS // n_in + 1, n_in, device=DEVICE, dtype=dtype)
-        big[:n_out] = w   # a weight too large for few_rows: cuBLAS
-        assert torch.equal(kernels.linear(rows[:m], big), F.linear(rows[:m], big))
+        big = torch.randn(5120, kernels.FEW_MAX_WEIGHTS // 5120 + 1, generator=g, device=DEVICE
+                          ).to(dtype)   # a fused attention projection's shape: cuBLAS
+        x = torch.randn(m, big.shape[1], generator=g, device=DEVICE).to(dtype)
+        assert kernels.few_rows_plan(*big.shape, False) is None
+        assert torch.equal(kernels.linear(x, big), F.linear(x, big))
         assert calls == [w.shape]
         fused = kernels.linear_silu_mul(rows[:m], w[:n_out // 2 * 2])
         half = n_out // 2
@@ -466,6 +468,37 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
     with torch.enable_grad():
         assert torch.equal(kernels.linear(rows[:m], w), F.linear(rows[:m], w))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("n_out,n_in,silu,splits", [(2048, 1100, False, 4), (3000, 800, False, 2),
+                                                  (8192, 300, False, 1), (1100, 1000, True, 1)])
+def test_few_rows_plans_for_large_weights(n_out, n_in, silu, splits):
+    """Weights over FEW_MAX_WEIGHTS take the plan few_rows_plan picks: up to 4096 outputs, the
+    features split over about SPLIT_PROGRAMS programs whose parts the last one adds, in the same
+    order at every launch (so the same bits), leaving the counts at 0; more outputs, or [gate |
+    up] with the SiLU, one program a column. All as F.linear computes them."""
+    if DEVICE == "cpu":   # the interpreter's float32, a few rows (its programs run one by one)
+        dtype, m = torch.float32, 3
+    else:
+        dtype, m = torch.bfloat16, 8
+    g = torch.Generator(DEVICE).manual_seed(n_out)
+    w = (torch.randn((2 if silu else 1) * n_out, n_in, generator=g, device=DEVICE) / 30).to(dtype)
+    x = torch.randn(m, n_in, generator=g, device=DEVICE).to(dtype)
+    plan = kernels.few_rows_plan(n_out, n_in, silu)
+    assert w.numel() > kernels.FEW_MAX_WEIGHTS and plan is not None and plan.splits == splits
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    with torch.inference_mode():
+        if silu:
+            out = kernels.linear_silu_mul(x, w)
+            ref = F.silu(F.linear(x.float(), w[:n_out].float())) * F.linear(x.float(), w[n_out:].float())
+        else:
+            out = kernels.linear(x, w)
+            ref = F.linear(x.float(), w.float())
+            assert torch.equal(kernels.linear(x, w), out)
+        assert out.shape == (m, n_out) and rel_err(out, ref) < (10 if silu else 1) * tol
+    if splits > 1:
+        part, count = kernels._SPLIT_SPACES[x.device]
+        assert count.abs().sum().item() == 0
 
 
 def test_one_sequence_decodes_through_the_gemv(checkpoint, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -481,21 +482,31 @@ if triton is not None:
         tl.store(out_ptr + n, out, mask=n_ok)
 
     @triton.jit
-    def _few_rows_kernel(x_ptr, w_ptr, out_ptr, m, n_out, n_in, stride_x, M_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    def _few_rows_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, m, n_out, n_in, stride_x,
+                         k_len, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, SILU_MUL: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr):
         """BLOCK_N outputs of each of m <= M_PAD rows (a verify's): x [m, n_in] (rows stride_x
         apart) times BLOCK_N contiguous rows of w [n_out, n_in], on the tensor cores with float32
         sums (IEEE: float32 inputs multiplied in full precision), rounded once at the end; the
         weights' first BLOCK_K features are loaded before waiting for the kernel before (see
-        _pdl). With SILU_MUL as in _gemv_kernel."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        _pdl). With SILU_MUL as in _gemv_kernel.
+
+        Program (i, s) sums features s * k_len up to (s + 1) * k_len. With SPLITS > 1 it stores
+        its float32 sums in part[s] ([SPLITS, M_PAD, n_out]) and counts itself in count[i]; the
+        last of column i's programs to arrive adds the parts in the order s = 0, 1, ..., so the
+        result does not depend on which finished first, stores it, and sets count[i] back to 0
+        for the next launch."""
+        col, split = tl.program_id(0), tl.program_id(1)
+        n = col * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_out
         r = tl.arange(0, M_PAD)
         r_ok = r < m
-        k = tl.arange(0, BLOCK_K)
+        k_first = split * k_len
+        k_end = tl.minimum(k_first + k_len, n_in)
+        k = k_first + tl.arange(0, BLOCK_K)
         rows = w_ptr + n[:, None] * n_in
-        ok = n_ok[:, None] & (k < n_in)[None, :]
+        ok = n_ok[:, None] & (k < k_end)[None, :]
         w = tl.load(rows + k[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             u = tl.load(rows + n_out * n_in + k[None, :], mask=ok, other=0.0)
@@ -504,13 +515,13 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
         precision: tl.constexpr = "ieee" if IEEE else "tf32"
         x = tl.load(x_ptr + r[:, None] * stride_x + k[None, :],
-                    mask=r_ok[:, None] & (k < n_in)[None, :], other=0.0)
+                    mask=r_ok[:, None] & (k < k_end)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), input_precision=precision)
         if SILU_MUL:
             acc_up = tl.dot(x, tl.trans(u), input_precision=precision)
-        for start in range(BLOCK_K, n_in, BLOCK_K):
-            kb = start + k
-            kb_ok = kb < n_in
+        for start in range(k_first + BLOCK_K, k_end, BLOCK_K):
+            kb = start + tl.arange(0, BLOCK_K)
+            kb_ok = kb < k_end
             okb = n_ok[:, None] & kb_ok[None, :]
             xb = tl.load(x_ptr + r[:, None] * stride_x + kb[None, :],
                          mask=r_ok[:, None] & kb_ok[None, :], other=0.0)
@@ -520,13 +531,34 @@ if triton is not None:
                 acc_up = tl.dot(xb, tl.trans(tl.load(rows + n_out * n_in + kb[None, :], mask=okb,
                                                      other=0.0)),
                                 acc_up, input_precision=precision)
+        cells = r[:, None] * n_out + n[None, :]
+        cells_ok = r_ok[:, None] & n_ok[None, :]
+        if SILU_MUL:
+            _few_rows_store(out_ptr, cells, cells_ok, acc, acc_up, True)
+        elif SPLITS == 1:
+            _few_rows_store(out_ptr, cells, cells_ok, acc, acc, False)
+        else:
+            tl.store(part_ptr + split * M_PAD * n_out + cells, acc, mask=cells_ok)
+            tl.debug_barrier()   # every thread's part is written before the count says so
+            if tl.atomic_add(count_ptr + col, 1, sem="acq_rel") == SPLITS - 1:
+                total = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLITS):
+                    total += tl.load(part_ptr + s * M_PAD * n_out + cells, mask=cells_ok,
+                                     other=0.0, cache_modifier=".cg")
+                tl.store(count_ptr + col, 0)
+                _few_rows_store(out_ptr, cells, cells_ok, total, total, False)
+
+    @triton.jit
+    def _few_rows_store(out_ptr, cells, cells_ok, acc, acc_up, SILU_MUL: tl.constexpr):
+        """Rounds float32 sums (with SILU_MUL, silu(gate) * up as _silu_mul_kernel rounds it)
+        and stores them."""
         dtype = out_ptr.dtype.element_ty
         out = acc.to(dtype)
         if SILU_MUL:
             gate = out.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
             out = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(out_ptr + r[:, None] * n_out + n[None, :], out, mask=r_ok[:, None] & n_ok[None, :])
+        tl.store(out_ptr + cells, out, mask=cells_ok)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -731,6 +763,13 @@ def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
     return accepted
 
 
+# Value columns and warps per gated_delta_rule program. On the H200 (2B's heads, CUDA graphs:
+# deploy/results/sweep-few-rows-2026-12-04.json, "delta") one warp took 9.5 us for a verify's 8
+# rows where four took 12.9, and the same at one row (2.4 us) and at 32 sequences (40 us);
+# 16 columns were faster still at 8 rows (8.6 us) but took 63 us at 32 sequences.
+DELTA_BV, DELTA_WARPS = 32, 1
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                      b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                      state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None = None,
@@ -749,12 +788,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     if length == 0:   # no rows: the kernel would still load a first row before its loop
         return out
     q, k, v, a, b = (_flat_rows(x) for x in (q, k, v, a, b))
-    bv = min(dv, 32)
+    bv = min(dv, DELTA_BV)
     _gated_delta_kernel[(n_seq, hv, dv // bv)](
         q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
         offsets if offsets is not None else slots, length, dk ** -0.5,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, **_pdl(), num_warps=4)
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, **_pdl(),
+        num_warps=DELTA_WARPS)
     return out
 
 
@@ -833,25 +873,95 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
 
 FEW_ROWS = 16                         # most rows few_rows takes (a verify of 15 drafts)
 FEW_BLOCK_N, FEW_BLOCK_K = 32, 256    # outputs and features per few_rows program and stretch
-# Weights (elements) up to which linear() takes few_rows. On the H200 (a sweep on 2026-12-03,
-# 8 and 16 rows, CUDA graphs: deploy/results/sweep-few-rows-2026-12-03.json) few_rows took 1.3-1.9 us where cuBLAS took 2.6-4.7 us for the
-# bundled model's projections (up to 4096 x 256); from 2048 x 4096 up (Qwen3.5-2B's, Qwen3-8B's)
-# no single launch config kept up with cuBLAS on every shape (1.0-3x slower), so they stay there.
+# Weights (elements) up to which linear() takes few_rows with one launch config for all: the
+# bundled model's projections (up to 4096 x 256), where few_rows took 1.3-1.9 us and cuBLAS
+# 2.6-4.7 us (H200, 8 and 16 rows, CUDA graphs: deploy/results/sweep-few-rows-2026-12-03.json).
+# Larger weights take the plan few_rows_plan picks, or cuBLAS.
 FEW_MAX_WEIGHTS = 1 << 21
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+class FewPlan(NamedTuple):
+    """How few_rows launches for one weight: outputs per program, features per stretch, programs
+    that split the features of each column of outputs (see _few_rows_kernel), warps, stages."""
+    block_n: int
+    block_k: int
+    splits: int = 1
+    warps: int = 4
+    stages: int = 2
+
+
+SMALL_PLAN = FewPlan(FEW_BLOCK_N, FEW_BLOCK_K)
+SPLIT_PROGRAMS = 128   # programs a split plan aims at: about one per SM of an H200 (132)
+
+
+def few_rows_plan(n_out: int, n_in: int, silu_mul: bool) -> FewPlan | None:
+    """How few_rows runs 2 to 16 rows of a weight [n_out (x2 with silu_mul), n_in], or None
+    where cuBLAS is faster. From a sweep on the H200 (deploy/results/sweep-few-rows-2026-12-04.json,
+    8 and 16 rows, CUDA graphs, Qwen3.5-2B's and Qwen3-8B's projections), where cuBLAS's times
+    are for F.linear, plus silu_mul's kernel where the SiLU is fused here:
+    - small weights: SMALL_PLAN;
+    - [gate | up] with the SiLU fused: 32 outputs and 128 features a stretch (14.3 us against
+      16.0 at 2 x 6144 x 2048, 48.5 against 56.2 at 2 x 12288 x 4096);
+    - up to 4096 outputs: 64 outputs a program and the features split so that there are about
+      SPLIT_PROGRAMS programs (5.6 against 7.0 us at 2048 x 4096; 26.9 against 30.6 at
+      4096 x 12288), where one program a column leaves most SMs idle;
+    - 8192 outputs and more (2B's Gated DeltaNet input projection, the lm_heads): 32 outputs
+      and 256 features a stretch (14.0 against 15.0 us at 12288 x 2048; 289 against 301 at
+      151936 x 4096);
+    - between (5120 and 6144 outputs: the fused attention projections) cuBLAS was faster
+      (5.4 against 6.5 us at 5120 x 2048)."""
+    if (2 * n_out if silu_mul else n_out) * n_in <= FEW_MAX_WEIGHTS:
+        return SMALL_PLAN
+    if silu_mul:
+        return FewPlan(32, 128, stages=4)
+    if n_out <= 4096:
+        columns = triton.cdiv(n_out, 64)
+        return FewPlan(64, 256, max(1, SPLIT_PROGRAMS // columns), stages=4)
+    if n_out >= 8192:
+        return FewPlan(32, 256, stages=4)
+    return None
+
+
+def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
+             plan: FewPlan = SMALL_PLAN) -> torch.Tensor:
     """x [m, n_in] (2 <= m <= FEW_ROWS, features contiguous) times weight [n_out, n_in]
     (contiguous) transposed, as F.linear, in one kernel launched like the others here (see
-    _pdl); with `silu_mul` as gemv's."""
+    _pdl); with `silu_mul` as gemv's (on one program per column: plan.splits 1)."""
     m, n_in = x.shape
     n_out = weight.shape[0] // (1 + silu_mul)
+    assert plan.splits == 1 or not silu_mul, "silu_mul sums each column in one program"
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    _few_rows_kernel[(triton.cdiv(n_out, FEW_BLOCK_N),)](
-        x, weight, out, m, n_out, n_in, x.stride(0), M_PAD=FEW_ROWS, BLOCK_N=FEW_BLOCK_N,
-        BLOCK_K=FEW_BLOCK_K, SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, **_pdl(),
-        num_warps=4, num_stages=2)
+    columns = triton.cdiv(n_out, plan.block_n)
+    k_len = triton.cdiv(triton.cdiv(n_in, plan.splits), plan.block_k) * plan.block_k
+    part, count = (_split_space(x.device, plan.splits * FEW_ROWS * n_out, columns)
+                   if plan.splits > 1 else (out, out))
+    _few_rows_kernel[(columns, triton.cdiv(n_in, k_len))](
+        x, weight, out, part, count, m, n_out, n_in, x.stride(0), k_len, M_PAD=FEW_ROWS,
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLITS=triton.cdiv(n_in, k_len),
+        SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, **_pdl(), num_warps=plan.warps,
+        num_stages=plan.stages)
     return out
+
+
+_SPLIT_SPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+SPLIT_PARTS, SPLIT_COUNTS = 1 << 20, 1 << 12   # the split space's float32 sums and counts
+
+
+def _split_space(device: torch.device, parts: int, columns: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 parts and the zeroed int32 counts that split few_rows launches on `device`
+    share: launches on one stream run one after the other (a dependent launch writes only after
+    its wait, see _pdl), and each leaves its counts at 0. Allocated once, at a fixed size, so
+    that no captured graph is left holding a space since freed."""
+    if parts > SPLIT_PARTS or columns > SPLIT_COUNTS:
+        raise ValueError(f"a split few_rows of {parts} sums over {columns} columns is larger "
+                         f"than its space ({SPLIT_PARTS}, {SPLIT_COUNTS})")
+    if device not in _SPLIT_SPACES:
+        if device.type == "cuda":
+            assert not torch.cuda.is_current_stream_capturing(), "split space made in a capture"
+        _SPLIT_SPACES[device] = (torch.empty(SPLIT_PARTS, dtype=torch.float32, device=device),
+                                 torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device))
+    return _SPLIT_SPACES[device]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -863,8 +973,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     before as gemv does. Outside inference (autograd on) it is always F.linear."""
     if _gemv_takes(x, weight, bias):
         return gemv(x, weight)
-    if _few_rows_take(x, weight, bias):
-        return few_rows(x, weight)
+    plan = _few_rows_take(x, weight, bias, False)
+    if plan is not None:
+        return few_rows(x, weight, plan=plan)
     return F.linear(x, weight, bias)
 
 
@@ -882,11 +993,14 @@ def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _rows_kernel_takes(x, weight, bias, range(1, 2))
 
 
-def _few_rows_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether few_rows computes F.linear(x, weight, bias) here: 2 to FEW_ROWS rows of small
-    weights (FEW_MAX_WEIGHTS)."""
-    return (FEW and weight.numel() <= FEW_MAX_WEIGHTS
-            and _rows_kernel_takes(x, weight, bias, range(2, FEW_ROWS + 1)))
+def _few_rows_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   silu_mul: bool) -> FewPlan | None:
+    """How few_rows computes F.linear(x, weight, bias) here (None: it does not): 2 to FEW_ROWS
+    rows, as few_rows_plan says for this weight."""
+    if not (FEW and _rows_kernel_takes(x, weight, bias, range(2, FEW_ROWS + 1))):
+        return None
+    n_out, n_in = weight.shape
+    return few_rows_plan(n_out // 2 if silu_mul else n_out, n_in, silu_mul)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
@@ -894,8 +1008,9 @@ def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     to its sums (the same sums and roundings), so a decode step's MLP is two launches."""
     if _gemv_takes(x, gate_up, None):
         return gemv(x, gate_up, silu_mul=True)
-    if _few_rows_take(x, gate_up, None):
-        return few_rows(x, gate_up, silu_mul=True)
+    plan = _few_rows_take(x, gate_up, None, True)
+    if plan is not None:
+        return few_rows(x, gate_up, silu_mul=True, plan=plan)
     return silu_mul(linear(x, gate_up))
 
 
