@@ -456,7 +456,7 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
         big = torch.randn(5120, kernels.FEW_MAX_WEIGHTS // 5120 + 1, generator=g, device=DEVICE
                           ).to(dtype)   # a fused attention projection's shape: cuBLAS
         x = torch.randn(m, big.shape[1], generator=g, device=DEVICE).to(dtype)
-        assert kernels.few_rows_plan(*big.shape, False) is None
+        assert kernels.few_rows_plan(m, *big.shape, False) is None
         assert torch.equal(kernels.linear(x, big), F.linear(x, big))
         assert calls == [w.shape]
         fused = kernels.linear_silu_mul(rows[:m], w[:n_out // 2 * 2])
@@ -473,10 +473,11 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
 @pytest.mark.parametrize("n_out,n_in,silu,splits", [(2048, 1100, False, 4), (3000, 800, False, 2),
                                                   (8192, 300, False, 1), (1100, 1000, True, 1)])
 def test_few_rows_plans_for_large_weights(n_out, n_in, silu, splits):
-    """Weights over FEW_MAX_WEIGHTS take the plan few_rows_plan picks: up to 4096 outputs, the
-    features split over about SPLIT_PROGRAMS programs whose parts the last one adds, in the same
-    order at every launch (so the same bits), leaving the counts at 0; more outputs, or [gate |
-    up] with the SiLU, one program a column. All as F.linear computes them."""
+    """Up to PLAN_ROWS rows of weights over FEW_MAX_WEIGHTS take the plan few_rows_plan picks:
+    up to 4096 outputs, the features split over about SPLIT_PROGRAMS programs whose parts the
+    last one adds, in the same order at every launch (so the same bits), leaving the counts at
+    0; more outputs, or [gate | up] with the SiLU, one program a column. All as F.linear
+    computes them; more rows go to cuBLAS."""
     if DEVICE == "cpu":   # the interpreter's float32, a few rows (its programs run one by one)
         dtype, m = torch.float32, 3
     else:
@@ -484,8 +485,9 @@ def test_few_rows_plans_for_large_weights(n_out, n_in, silu, splits):
     g = torch.Generator(DEVICE).manual_seed(n_out)
     w = (torch.randn((2 if silu else 1) * n_out, n_in, generator=g, device=DEVICE) / 30).to(dtype)
     x = torch.randn(m, n_in, generator=g, device=DEVICE).to(dtype)
-    plan = kernels.few_rows_plan(n_out, n_in, silu)
+    plan = kernels.few_rows_plan(m, n_out, n_in, silu)
     assert w.numel() > kernels.FEW_MAX_WEIGHTS and plan is not None and plan.splits == splits
+    assert kernels.few_rows_plan(kernels.PLAN_ROWS + 1, n_out, n_in, silu) is None   # cuBLAS
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
         if silu:

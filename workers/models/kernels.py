@@ -765,7 +765,7 @@ def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
 
 # Value columns and warps per gated_delta_rule program. On the H200 (2B's heads, CUDA graphs:
 # deploy/results/sweep-few-rows-2026-12-04.json, "delta") one warp took 9.5 us for a verify's 8
-# rows where four took 12.9, and the same at one row (2.4 us) and at 32 sequences (40 us);
+# rows where four took 12.9, 2.4 us against 2.6 at one row, and 40 us at 32 sequences as four did;
 # 16 columns were faster still at 8 rows (8.6 us) but took 63 us at 32 sequences.
 DELTA_BV, DELTA_WARPS = 32, 1
 
@@ -892,13 +892,17 @@ class FewPlan(NamedTuple):
 
 SMALL_PLAN = FewPlan(FEW_BLOCK_N, FEW_BLOCK_K)
 SPLIT_PROGRAMS = 128   # programs a split plan aims at: about one per SM of an H200 (132)
+PLAN_ROWS = 8          # most rows of a large weight few_rows takes
 
 
-def few_rows_plan(n_out: int, n_in: int, silu_mul: bool) -> FewPlan | None:
-    """How few_rows runs 2 to 16 rows of a weight [n_out (x2 with silu_mul), n_in], or None
-    where cuBLAS is faster. From a sweep on the H200 (deploy/results/sweep-few-rows-2026-12-04.json,
-    8 and 16 rows, CUDA graphs, Qwen3.5-2B's and Qwen3-8B's projections), where cuBLAS's times
-    are for F.linear, plus silu_mul's kernel where the SiLU is fused here:
+def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan | None:
+    """How few_rows runs `rows` (2 to FEW_ROWS) rows of a weight [n_out (x2 with silu_mul),
+    n_in], or None where cuBLAS is faster. From a sweep on the H200
+    (deploy/results/sweep-few-rows-2026-12-04.json: 8 and 16 rows, CUDA graphs, Qwen3.5-2B's and
+    Qwen3-8B's projections; cuBLAS's times are F.linear's, plus silu_mul's kernel where the SiLU
+    is fused here), then the 2B's whole verify graph replayed (README, "A verify's projections
+    by plan"): the plans below saved 0.047 ms of 1.957 at 8 rows but cost 0.080 ms of 2.184
+    at 16, so large weights take them up to PLAN_ROWS rows only:
     - small weights: SMALL_PLAN;
     - [gate | up] with the SiLU fused: 32 outputs and 128 features a stretch (14.3 us against
       16.0 at 2 x 6144 x 2048, 48.5 against 56.2 at 2 x 12288 x 4096);
@@ -912,6 +916,8 @@ def few_rows_plan(n_out: int, n_in: int, silu_mul: bool) -> FewPlan | None:
       (5.4 against 6.5 us at 5120 x 2048)."""
     if (2 * n_out if silu_mul else n_out) * n_in <= FEW_MAX_WEIGHTS:
         return SMALL_PLAN
+    if rows > PLAN_ROWS:
+        return None
     if silu_mul:
         return FewPlan(32, 128, stages=4)
     if n_out <= 4096:
@@ -1000,7 +1006,7 @@ def _few_rows_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not (FEW and _rows_kernel_takes(x, weight, bias, range(2, FEW_ROWS + 1))):
         return None
     n_out, n_in = weight.shape
-    return few_rows_plan(n_out // 2 if silu_mul else n_out, n_in, silu_mul)
+    return few_rows_plan(x.shape[0], n_out // 2 if silu_mul else n_out, n_in, silu_mul)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
