@@ -6,11 +6,13 @@ does not enter. Knobs for A/B runs in separate processes, one after the other:
     python3 scripts/verifyprof.py                       # as the kernels are
     python3 scripts/verifyprof.py --plan-rows 1         # large weights' verifies on cuBLAS
     python3 scripts/verifyprof.py --plan-rows 1 --delta-warps 4   # and 4 warps a recurrence
+    python3 scripts/verifyprof.py --plans OUT/plans.json  # large weights' plans from fewsweep
 
 On the GPU machine, after `source scripts/device-env.sh`."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -44,9 +46,21 @@ def main() -> None:
                    help="kernels.PLAN_ROWS: most rows of a large weight few_rows takes")
     p.add_argument("--delta-warps", type=int, default=kernels.DELTA_WARPS,
                    help="kernels.DELTA_WARPS: warps a Gated DeltaNet recurrence program")
+    p.add_argument("--plans", help="plans.json from scripts/fewsweep.py: large weights take these "
+                   "(a weight it lists as null, or does not list, goes to cuBLAS)")
     p.add_argument("--dir", default="/tmp/verifyprof-2b")
     args = p.parse_args()
     kernels.PLAN_ROWS, kernels.DELTA_WARPS = args.plan_rows, args.delta_warps
+    if args.plans:
+        table, chosen = json.loads(Path(args.plans).read_text()), kernels.few_rows_plan
+
+        def from_table(rows: int, n_out: int, n_in: int, silu_mul: bool):
+            small = (2 * n_out if silu_mul else n_out) * n_in <= kernels.FEW_MAX_WEIGHTS
+            if small or rows > kernels.PLAN_ROWS:
+                return chosen(rows, n_out, n_in, silu_mul)
+            found = table.get(f"{n_out}x{n_in}" + (" silu" if silu_mul else ""))
+            return kernels.FewPlan(*found) if found else None
+        kernels.few_rows_plan = from_table
     model = str(write_random_checkpoint(Path(args.dir), dict(QWEN3_5_2B, num_hidden_layers=args.layers),
                                         "cuda"))
     llm = LLM(model, device="cuda", dtype="bfloat16", max_num_seqs=1,
@@ -62,7 +76,7 @@ def main() -> None:
         worker.graphs.run(layout)   # captures the graph and fills its buffers
         torch.cuda.synchronize()
         ms[rows] = replay_ms(worker.graphs.graphs[(1, rows, rows > 1)][0])
-    print(f"plan_rows={args.plan_rows} delta_warps={args.delta_warps}: "
+    print(f"plan_rows={args.plan_rows} delta_warps={args.delta_warps} plans={args.plans}: "
           + ", ".join(f"{r} rows {t:.3f} ms" for r, t in ms.items())
           + f"; verify 7 / decode {ms[8] / ms[1]:.3f}x, verify 15 / decode {ms[16] / ms[1]:.3f}x")
 
