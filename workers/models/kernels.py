@@ -913,7 +913,7 @@ def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan |
       and 256 features a stretch (14.0 against 15.0 us at 12288 x 2048; 289 against 301 at
       151936 x 4096);
     - between (5120 and 6144 outputs: the fused attention projections) cuBLAS was faster
-      (5.4 against 6.5 us at 5120 x 2048)."""
+      (5.4 against 6.2 us at 5120 x 2048)."""
     if (2 * n_out if silu_mul else n_out) * n_in <= FEW_MAX_WEIGHTS:
         return SMALL_PLAN
     if rows > PLAN_ROWS:
@@ -975,8 +975,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, except that one row (a decode step of one sequence) on a device the kernels
     run on goes through gemv: the weights stream at close to the copy bandwidth, where cuBLAS's
     kernels for one row reached 75-95% of it (and add a split-K reduction for some shapes).
-    A few rows (a verify) of a small weight go through few_rows, which starts under the kernel
-    before as gemv does. Outside inference (autograd on) it is always F.linear."""
+    A few rows (a verify) go through few_rows, which starts under the kernel before as gemv
+    does, where few_rows_plan has a plan for the weight. Outside inference (autograd on) it is
+    always F.linear."""
     if _gemv_takes(x, weight, bias):
         return gemv(x, weight)
     plan = _few_rows_take(x, weight, bias, False)
