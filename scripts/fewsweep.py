@@ -1,7 +1,7 @@
 """few_rows launch plans against cuBLAS, kernel by kernel, at the projection shapes of the
 Qwen3.5-2B- and Qwen3-8B-shaped checkpoints (`gpubench`'s random ones). Each call is timed inside
 a CUDA graph of 10 calls, as a step replays them (so each call's weight loads before its wait
-overlap the call before), with CUDA events over 20 replays.
+overlap the call before), with CUDA events over 20 replays (verifyprof's timer).
 
     python3 scripts/fewsweep.py --rows 8 --out sweep.json          # every shape, the whole grid
     python3 scripts/fewsweep.py --shapes 2b.down,2b.o --block-n 16 --block-k 1024,2048 --stages 1
@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from metrale.workers.cuda_graphs import capture
 from metrale.workers.models import kernels
+from verifyprof import replay_ms   # this script's folder is on the path
 
 SHAPES = {   # name: (outputs, features, [gate | up] with the SiLU fused)
     "2b.in_proj": (12288, 2048, False), "2b.out_proj": (2048, 4096, False),
@@ -37,26 +39,9 @@ SHAPES = {   # name: (outputs, features, [gate | up] with the SiLU fused)
 
 
 def graph_us(fn, calls: int = 10, reps: int = 20) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps / calls
+    """Microseconds a call of `fn`, captured `calls` times into one graph (as a step replays)."""
+    graph, _ = capture(lambda: [fn() for _ in range(calls)], None)
+    return replay_ms(graph, reps) * 1000 / calls
 
 
 def ints(text: str) -> list[int]:

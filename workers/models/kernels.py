@@ -939,11 +939,12 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     columns = triton.cdiv(n_out, plan.block_n)
     k_len = triton.cdiv(triton.cdiv(n_in, plan.splits), plan.block_k) * plan.block_k
-    part, count = (_split_space(x.device, plan.splits * FEW_ROWS * n_out, columns)
-                   if plan.splits > 1 else (out, out))
-    _few_rows_kernel[(columns, triton.cdiv(n_in, k_len))](
+    splits = triton.cdiv(n_in, k_len)   # plan.splits or fewer, k_len being whole stretches
+    part, count = (_split_space(x.device, splits * FEW_ROWS * n_out, columns)
+                   if splits > 1 else (out, out))
+    _few_rows_kernel[(columns, splits)](
         x, weight, out, part, count, m, n_out, n_in, x.stride(0), k_len, M_PAD=FEW_ROWS,
-        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLITS=triton.cdiv(n_in, k_len),
+        BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLITS=splits,
         SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, **_pdl(), num_warps=plan.warps,
         num_stages=plan.stages)
     return out
