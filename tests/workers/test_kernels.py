@@ -470,14 +470,16 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("n_out,n_in,silu,splits", [(2048, 1100, False, 4), (3000, 800, False, 2),
-                                                  (8192, 300, False, 1), (1100, 1000, True, 1)])
+@pytest.mark.parametrize("n_out,n_in,silu,splits", [
+    (2048, 1100, False, 3), (3000, 800, False, 2), (600, 4200, False, 9), (4096, 4096, False, 2),
+    (1100, 1000, True, 1)])
 def test_few_rows_plans_for_large_weights(n_out, n_in, silu, splits):
     """Up to PLAN_ROWS rows of weights over FEW_MAX_WEIGHTS take the plan few_rows_plan picks:
-    up to 4096 outputs, the features split over about SPLIT_PROGRAMS programs whose parts the
-    last one adds, in the same order at every launch (so the same bits), leaving the counts at
-    0; more outputs, or [gate | up] with the SiLU, one program a column. All as F.linear
-    computes them; more rows go to cuBLAS."""
+    up to 4096 outputs, the features split into whole shares of WHOLE_K (where that makes up
+    to WHOLE_PROGRAMS programs) or over about SPLIT_PROGRAMS programs, whose parts the last program adds, in the
+    same order at every launch (so the same bits), leaving the counts at 0; [gate | up] with
+    the SiLU one program a column. All as F.linear computes them; more rows, or more than 4096
+    outputs, go to cuBLAS."""
     if DEVICE == "cpu":   # the interpreter's float32, a few rows (its programs run one by one)
         dtype, m = torch.float32, 3
     else:
@@ -488,6 +490,7 @@ def test_few_rows_plans_for_large_weights(n_out, n_in, silu, splits):
     plan = kernels.few_rows_plan(m, n_out, n_in, silu)
     assert w.numel() > kernels.FEW_MAX_WEIGHTS and plan is not None and plan.splits == splits
     assert kernels.few_rows_plan(kernels.PLAN_ROWS + 1, n_out, n_in, silu) is None   # cuBLAS
+    assert silu or kernels.few_rows_plan(m, 4097, n_in, silu) is None
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
         if silu:

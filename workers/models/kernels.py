@@ -892,40 +892,42 @@ class FewPlan(NamedTuple):
 
 SMALL_PLAN = FewPlan(FEW_BLOCK_N, FEW_BLOCK_K)
 SPLIT_PROGRAMS = 128   # programs a split plan aims at: about one per SM of an H200 (132)
-PLAN_ROWS = 8          # most rows of a large weight few_rows takes
+WHOLE_K = 512          # features per program of a whole-share plan (see few_rows_plan)
+WHOLE_PROGRAMS = 256   # most programs of a whole-share plan: two per SM of an H200, one wave
+PLAN_ROWS = FEW_ROWS   # most rows of a large weight few_rows takes (a knob for A/B runs)
 
 
 def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan | None:
     """How few_rows runs `rows` (2 to FEW_ROWS) rows of a weight [n_out (x2 with silu_mul),
-    n_in], or None where cuBLAS is faster. From a sweep on the H200
-    (deploy/results/sweep-few-rows-2026-12-04.json: 8 and 16 rows, CUDA graphs, Qwen3.5-2B's and
-    Qwen3-8B's projections; cuBLAS's times are F.linear's, plus silu_mul's kernel where the SiLU
-    is fused here), then the 2B's whole verify graph replayed (README, "A verify's projections
-    by plan"): the plans below saved 0.047 ms of 1.957 at 8 rows but cost 0.080 ms of 2.184
-    at 16, so large weights take them up to PLAN_ROWS rows only:
+    n_in], or None where cuBLAS is faster. Chosen by the Qwen3.5-2B-shaped target's whole verify
+    graph replayed with each weight's plan swapped (scripts/verifyprof.py --plans; README, "Plans
+    chosen in the model"), after a sweep of each kernel alone (scripts/fewsweep.py), which is no
+    judge on its own: it ranked a plan for the 12352 x 2048 Gated DeltaNet input projection
+    ahead of cuBLAS, and in the model that plan cost 0.07 ms a verify of 7.
     - small weights: SMALL_PLAN;
-    - [gate | up] with the SiLU fused: 32 outputs and 128 features a stretch (14.3 us against
-      16.0 at 2 x 6144 x 2048, 48.5 against 56.2 at 2 x 12288 x 4096);
-    - up to 4096 outputs: 64 outputs a program and the features split so that there are about
-      SPLIT_PROGRAMS programs (5.6 against 7.0 us at 2048 x 4096; 26.9 against 30.6 at
-      4096 x 12288), where one program a column leaves most SMs idle;
-    - 8192 outputs and more (2B's Gated DeltaNet input projection, the lm_heads): 32 outputs
-      and 256 features a stretch (14.0 against 15.0 us at 12288 x 2048; 289 against 301 at
-      151936 x 4096);
-    - between (5120 and 6144 outputs: the fused attention projections) cuBLAS was faster
-      (5.4 against 6.2 us at 5120 x 2048)."""
+    - [gate | up] with the SiLU fused: 32 outputs and 128 features a stretch (cuBLAS and
+      silu_mul's kernel cost 0.03 ms more a verify);
+    - up to 4096 outputs that fit WHOLE_PROGRAMS programs of 64 outputs and WHOLE_K features
+      (the 2B's output projections): a whole-share plan, each program loading its WHOLE_K
+      features in one stretch before its wait (see _pdl), so they stream while the kernel
+      before runs; the programs' parts are added as _few_rows_kernel says (0.015 ms less a
+      2B verify than the plan below; on the 8B's 4096 x 4096, 512 programs, 0.055 ms more);
+    - other weights of up to 4096 outputs (the MLP's down projections, the 8B's attention
+      output): 64 outputs a program in 256-feature stretches, 4 stages, the features split so
+      there are about SPLIT_PROGRAMS programs (whole shares of 512 or 1024 features cost the
+      2B 0.06-0.11 ms more);
+    - more outputs (input, fused attention and vocabulary projections): cuBLAS."""
     if (2 * n_out if silu_mul else n_out) * n_in <= FEW_MAX_WEIGHTS:
         return SMALL_PLAN
     if rows > PLAN_ROWS:
         return None
     if silu_mul:
         return FewPlan(32, 128, stages=4)
-    if n_out <= 4096:
-        columns = triton.cdiv(n_out, 64)
-        return FewPlan(64, 256, max(1, SPLIT_PROGRAMS // columns), stages=4)
-    if n_out >= 8192:
-        return FewPlan(32, 256, stages=4)
-    return None
+    if n_out > 4096:
+        return None
+    if triton.cdiv(n_out, 64) * triton.cdiv(n_in, WHOLE_K) <= WHOLE_PROGRAMS:
+        return FewPlan(64, WHOLE_K, triton.cdiv(n_in, WHOLE_K), stages=1)
+    return FewPlan(64, 256, max(1, SPLIT_PROGRAMS // triton.cdiv(n_out, 64)), stages=4)
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
