@@ -29,7 +29,7 @@ from metrale.workers.models import kernels
 from verifyprof import replay_ms   # this script's folder is on the path
 
 SHAPES = {   # name: (outputs, features, [gate | up] with the SiLU fused)
-    "2b.in_proj": (12288, 2048, False), "2b.out_proj": (2048, 4096, False),
+    "2b.in_proj": (12352, 2048, False), "2b.out_proj": (2048, 4096, False),
     "2b.qkv": (5120, 2048, False), "2b.o": (2048, 2048, False),
     "2b.gate_up": (6144, 2048, True), "2b.down": (2048, 6144, False),
     "2b.lm_head": (151936, 2048, False),

@@ -49,11 +49,14 @@ def main() -> None:
                    help="kernels.PLAN_ROWS: most rows of a large weight few_rows takes")
     p.add_argument("--delta-warps", type=int, default=kernels.DELTA_WARPS,
                    help="kernels.DELTA_WARPS: warps a Gated DeltaNet recurrence program")
+    p.add_argument("--delta-bv", type=int, default=kernels.DELTA_BV,
+                   help="kernels.DELTA_BV: value columns a Gated DeltaNet recurrence program")
     p.add_argument("--plans", help="plans.json from scripts/fewsweep.py: large weights take these "
                    "(a weight it lists as null, or does not list, goes to cuBLAS)")
     p.add_argument("--dir", help="where its random checkpoint goes (default /tmp/verifyprof-MODEL)")
     args = p.parse_args()
     kernels.PLAN_ROWS, kernels.DELTA_WARPS = args.plan_rows, args.delta_warps
+    kernels.DELTA_BV = args.delta_bv
     if args.plans:
         table, chosen = json.loads(Path(args.plans).read_text()), kernels.few_rows_plan
 
@@ -81,7 +84,8 @@ def main() -> None:
         worker.graphs.run(layout)   # captures the graph and fills its buffers
         torch.cuda.synchronize()
         ms[rows] = replay_ms(worker.graphs.graphs[(1, rows, verify)][0])
-    print(f"{args.model}: plan_rows={args.plan_rows} delta_warps={args.delta_warps} plans={args.plans}: "
+    print(f"{args.model}: plan_rows={args.plan_rows} delta_warps={args.delta_warps} "
+          f"delta_bv={args.delta_bv} plans={args.plans}: "
           + ", ".join(f"{r} rows {t:.3f} ms" for r, t in ms.items())
           + f"; verify 7 / decode {ms[8] / ms[1]:.3f}x, verify 15 / decode {ms[16] / ms[1]:.3f}x")
 
