@@ -903,10 +903,10 @@ def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan |
     graph replayed with each weight's plan swapped (scripts/verifyprof.py --plans; README, "Plans
     chosen in the model"), after a sweep of each kernel alone (scripts/fewsweep.py), which is no
     judge on its own: it ranked a plan for the 12352 x 2048 Gated DeltaNet input projection
-    ahead of cuBLAS, and in the model that plan cost 0.07 ms a verify of 7.
+    ahead of cuBLAS, and in the model that plan cost 0.06-0.09 ms a verify of 7.
     - small weights: SMALL_PLAN;
     - [gate | up] with the SiLU fused: 32 outputs and 128 features a stretch (cuBLAS and
-      silu_mul's kernel cost 0.03 ms more a verify);
+      silu_mul's kernel cost 0.02-0.03 ms more a verify);
     - up to 4096 outputs that fit WHOLE_PROGRAMS programs of 64 outputs and WHOLE_K features
       (the 2B's output projections): a whole-share plan, each program loading its WHOLE_K
       features in one stretch before its wait (see _pdl), so they stream while the kernel
@@ -915,7 +915,7 @@ def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan |
     - other weights of up to 4096 outputs (the MLP's down projections, the 8B's attention
       output): 64 outputs a program in 256-feature stretches, 4 stages, the features split so
       there are about SPLIT_PROGRAMS programs (whole shares of 512 or 1024 features cost the
-      2B 0.06-0.11 ms more);
+      2B 0.05-0.11 ms more);
     - more outputs (input, fused attention and vocabulary projections): cuBLAS."""
     if (2 * n_out if silu_mul else n_out) * n_in <= FEW_MAX_WEIGHTS:
         return SMALL_PLAN
