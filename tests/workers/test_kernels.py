@@ -476,10 +476,10 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
 def test_few_rows_plans_for_large_weights(n_out, n_in, silu, splits):
     """Up to PLAN_ROWS rows of weights over FEW_MAX_WEIGHTS take the plan few_rows_plan picks:
     up to 4096 outputs, the features split into whole shares of WHOLE_K (where that makes up
-    to WHOLE_PROGRAMS programs) or over about SPLIT_PROGRAMS programs, whose parts the last program adds, in the
-    same order at every launch (so the same bits), leaving the counts at 0; [gate | up] with
-    the SiLU one program a column. All as F.linear computes them; more rows, or more than 4096
-    outputs, go to cuBLAS."""
+    to WHOLE_PROGRAMS programs) or over about SPLIT_PROGRAMS programs, whose parts the last
+    program adds, in the same order at every launch (so the same bits), leaving the counts at
+    0; [gate | up] with the SiLU one program a column. All as F.linear computes them; more
+    rows, or more than 4096 outputs, go to cuBLAS."""
     if DEVICE == "cpu":   # the interpreter's float32, a few rows (its programs run one by one)
         dtype, m = torch.float32, 3
     else:
