@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from metrale.workers.cuda_graphs import capture
 from metrale.workers.models import kernels
-from verifyprof import replay_ms   # this script's folder is on the path
+from verifyprof import plan_key, replay_ms   # this script's folder is on the path
 
 SHAPES = {   # name: (outputs, features, [gate | up] with the SiLU fused)
     "2b.in_proj": (12352, 2048, False), "2b.out_proj": (2048, 4096, False),
@@ -46,10 +46,6 @@ def graph_us(fn, calls: int = 10, reps: int = 20) -> float:
 
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
-
-
-def plan_key(n_out: int, n_in: int, silu: bool) -> str:
-    return f"{n_out}x{n_in}" + (" silu" if silu else "")
 
 
 def main() -> None:

@@ -28,6 +28,12 @@ CONTEXT = 512
 MODELS = {"2b": QWEN3_5_2B, "8b": QWEN3_8B}
 
 
+def plan_key(n_out: int, n_in: int, silu_mul: bool) -> str:
+    """A weight's key in a plans table (fewsweep.py writes them): "OUTxIN", " silu" added for
+    [gate | up] with the SiLU fused."""
+    return f"{n_out}x{n_in}" + (" silu" if silu_mul else "")
+
+
 def replay_ms(graph, iters: int = 100) -> float:
     for _ in range(5):
         graph.replay()
@@ -61,10 +67,9 @@ def main() -> None:
         table, chosen = json.loads(Path(args.plans).read_text()), kernels.few_rows_plan
 
         def from_table(rows: int, n_out: int, n_in: int, silu_mul: bool):
-            small = (2 * n_out if silu_mul else n_out) * n_in <= kernels.FEW_MAX_WEIGHTS
-            if small or rows > kernels.PLAN_ROWS:
+            if kernels.small_weight(n_out, n_in, silu_mul) or rows > kernels.PLAN_ROWS:
                 return chosen(rows, n_out, n_in, silu_mul)
-            found = table.get(f"{n_out}x{n_in}" + (" silu" if silu_mul else ""))
+            found = table.get(plan_key(n_out, n_in, silu_mul))
             return kernels.FewPlan(*found) if found else None
         kernels.few_rows_plan = from_table
     shape = dict(MODELS[args.model], **({"num_hidden_layers": args.layers} if args.layers else {}))

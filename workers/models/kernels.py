@@ -897,6 +897,11 @@ WHOLE_PROGRAMS = 256   # most programs of a whole-share plan: two per SM of an H
 PLAN_ROWS = FEW_ROWS   # most rows of a large weight few_rows takes (a knob for A/B runs)
 
 
+def small_weight(n_out: int, n_in: int, silu_mul: bool) -> bool:
+    """Whether a weight [n_out (x2 with silu_mul), n_in] is small enough for SMALL_PLAN."""
+    return (2 * n_out if silu_mul else n_out) * n_in <= FEW_MAX_WEIGHTS
+
+
 def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan | None:
     """How few_rows runs `rows` (2 to FEW_ROWS) rows of a weight [n_out (x2 with silu_mul),
     n_in], or None where cuBLAS is faster. Chosen by the Qwen3.5-2B-shaped target's whole verify
@@ -917,7 +922,7 @@ def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan |
       there are about SPLIT_PROGRAMS programs (whole shares of 512 or 1024 features cost the
       2B 0.05-0.11 ms more);
     - more outputs (input, fused attention and vocabulary projections): cuBLAS."""
-    if (2 * n_out if silu_mul else n_out) * n_in <= FEW_MAX_WEIGHTS:
+    if small_weight(n_out, n_in, silu_mul):
         return SMALL_PLAN
     if rows > PLAN_ROWS:
         return None
@@ -925,9 +930,10 @@ def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan |
         return FewPlan(32, 128, stages=4)
     if n_out > 4096:
         return None
-    if triton.cdiv(n_out, 64) * triton.cdiv(n_in, WHOLE_K) <= WHOLE_PROGRAMS:
-        return FewPlan(64, WHOLE_K, triton.cdiv(n_in, WHOLE_K), stages=1)
-    return FewPlan(64, 256, max(1, SPLIT_PROGRAMS // triton.cdiv(n_out, 64)), stages=4)
+    columns, shares = triton.cdiv(n_out, 64), triton.cdiv(n_in, WHOLE_K)
+    if columns * shares <= WHOLE_PROGRAMS:
+        return FewPlan(64, WHOLE_K, shares, stages=1)
+    return FewPlan(64, 256, max(1, SPLIT_PROGRAMS // columns), stages=4)
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
