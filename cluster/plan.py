@@ -27,7 +27,8 @@ class SeqWork:
     grammar: GrammarSpec | None = None
     constraint: TokenConstraint | None = None
     steps: int = 1             # decode steps in a row: each after the first runs the token the
-                               # step before sampled (plain decoding; Worker._execute_steps)
+                               # step before sampled (plain decoding; Worker._execute_steps);
+                               # with drafts, rounds chained on the device (Worker._execute_chain)
 
 
 @dataclass
@@ -50,6 +51,15 @@ class SeqOutcome:
     proposed: int = 0          # drafts verified this step
     accepted: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    rounds: list[int] | None = None   # a chain's accepted drafts per round, each round of
+                                      # proposed / len(rounds) drafts (Worker._execute_chain)
+
+    def verifies(self) -> list[tuple[int, int]]:
+        """(drafts, accepted) of each verify the outcome holds."""
+        if self.rounds is None:
+            return [(self.proposed, self.accepted)]
+        each = self.proposed // len(self.rounds)
+        return [(each, accepted) for accepted in self.rounds]
 
 
 @dataclass
@@ -80,6 +90,7 @@ class WorkerCapacity:
     pad_drafts: bool = False               # the worker verifies filler rows up to a planned depth
     graphs: bool = False                   # it replays captured decode/verify steps: a step that
                                            # mixes a prefill chunk in runs eagerly
+    chain_rounds: int = 0                  # greedy n-gram rounds one plan may chain on the device
 
     @property
     def has_proposer(self) -> bool:

@@ -252,7 +252,8 @@ class Scheduler:
             k_min = min((k for _, n, k in chosen if k), default=0)
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
         pad = self._pad_depth(chosen)
-        work = [self._work(seq, n, k, pad.get(seq.seq_id, 0), decode_steps.get(seq.seq_id, 1))
+        rounds = self._chain_rounds(chosen, pad)
+        work = [self._work(seq, n, k, pad.get(seq.seq_id, 0), rounds or decode_steps.get(seq.seq_id, 1))
                 for seq, n, k in chosen]
         if self.plans_ahead and not prefill_only:
             work += self._ahead(min(room - len(work), budget))
@@ -329,15 +330,18 @@ class Scheduler:
             outcome = outcomes.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
             seq.num_computed = w.context_len + max(len(w.tokens), w.steps) + accepted
-            self._publish(seq)
             if outcome is None:
+                self._publish(seq)
                 continue
-            seq.spec.record(outcome.proposed, accepted)
-            self.stats.record(outcome.proposed, accepted)
+            for proposed, verified in outcome.verifies():
+                seq.spec.record(proposed, verified)
+                self.stats.record(proposed, verified)
             taken = self._append_tokens(seq, outcome.tokens)
             if seq.params.logprobs is not None and outcome.logprobs:
                 seq.logprobs.extend(TokenLogprob(token, lp.logprob, list(lp.top)) for token, lp
                                     in zip(outcome.tokens[:taken], outcome.logprobs))
+            if not seq.finished:   # (one that ended published in _finish)
+                self._publish(seq)
             touched.append(seq)
         self._measure(plan, result, outcomes)
         return touched
@@ -363,8 +367,13 @@ class Scheduler:
         return self._grammar_compiler
 
     def _publish(self, seq: Sequence) -> None:
-        """Offers the sequence's newly full, computed blocks to the prefix cache."""
-        full, bs = seq.num_computed // self.capacity.block_size, self.capacity.block_size
+        """Offers the sequence's newly full, computed blocks to the prefix cache, once the
+        update has appended the step's tokens: a step's accepted drafts (and a plan's steps or
+        rounds in a row) are computed before they are appended, and a block offered short
+        would break the hash chain of the blocks after it. Tokens cut by a stop were computed
+        but are not the sequence's, so only blocks of tokens it holds are offered."""
+        bs = self.capacity.block_size
+        full = min(seq.num_computed, seq.num_tokens) // bs
         if full > seq.published:
             seq.published_hash = self.blocks.register(
                 seq.block_table, seq.published, seq.tokens_between(seq.published * bs, full * bs),
@@ -389,6 +398,36 @@ class Scheduler:
                 self.blocks.append(seq.block_table, seq.num_computed + 1 + depth)
                 pad[seq.seq_id] = depth
         return pad
+
+    def _chain_rounds(self, chosen: list[tuple[Sequence, int, int]], pad: dict[int, int]) -> int:
+        """Rounds the plan chains on the device (0: one round, as usual), on a worker that
+        chains (`WorkerCapacity.chain_rounds`): a round of greedy decoding sequences only, every
+        one verifying the same depth k, proposes, verifies and accepts again on the device
+        without the host reading its verdicts, so its next round's host work (planning,
+        proposing, layout, verdicts, update) is not paid. The rounds stop at what the sequences
+        may still emit (every round emits a token or more each) and at the context; each
+        sequence's blocks are taken for every row the rounds may write, or none are."""
+        most, depth = self.capacity.chain_rounds, max((k for _, _, k in chosen), default=0)
+        if most < 2 or not depth:
+            return 0
+        for seq, n, k in chosen:
+            p = seq.params
+            if (n != 1 or seq.num_pending != 1 or max(k, pad.get(seq.seq_id, 0)) != depth
+                    or not self._sampling(seq, 0).greedy or p.logprobs is not None
+                    or p.grammar is not None or p.constraint is not None):
+                return 0
+        rounds = min(most, max(self._tokens_left(seq) for seq, _, _ in chosen),
+                     min((self.max_model_len - seq.num_computed) // (depth + 1)
+                         for seq, _, _ in chosen))
+        if rounds < 2:
+            return 0
+        ends = [(seq, seq.num_computed + rounds * (depth + 1)) for seq, _, _ in chosen]
+        more = sum(max(0, self.blocks.blocks_for(end) - len(seq.block_table)) for seq, end in ends)
+        if more > self.blocks.num_free:
+            return 0
+        for seq, end in ends:
+            self.blocks.append(seq.block_table, end)
+        return rounds
 
     def _work(self, seq: Sequence, n: int, k: int, pad_to: int = 0, steps: int = 1) -> SeqWork:
         start = seq.num_computed
@@ -430,12 +469,15 @@ class Scheduler:
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
             return
-        self.drafts.record_acceptance([(w.num_drafts, outcomes[w.seq_id].accepted)
-                                       for w in plan.work if w.seq_id in outcomes])
+        done = [(w, outcomes[w.seq_id]) for w in plan.work if w.seq_id in outcomes]
+        self.drafts.record_acceptance([pair for w, o in done for pair in (
+            o.verifies() if o.rounds else [(w.num_drafts, o.accepted)])])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
             span = self.clock() - plan.planned_at if plan.planned_at else 0.0
+            rounds = max((len(o.rounds) for _, o in done if o.rounds), default=1)   # a chain's
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
-                                    result.propose_s, max(result.forward_s, span - result.propose_s))
+                                    result.propose_s / rounds,
+                                    max(result.forward_s, span - result.propose_s) / rounds)
 
     @staticmethod
     def _draft_limit(requested: int, capacity: WorkerCapacity) -> int:
@@ -501,6 +543,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        if seq.block_table:
+            self._publish(seq)   # its last step's full blocks, before they are freed
         self._release(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 

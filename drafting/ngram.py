@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
 from metrale.drafting.proposer import CommittedRows, Proposal, ProposeRequest
 
 
@@ -14,6 +17,35 @@ def ngram_drafts(history: list[int], num_drafts: int, min_n: int, max_n: int) ->
             if history[start:start + n] == suffix:
                 return history[start + n:start + n + num_drafts]
     return []
+
+
+def ngram_drafts_on_device(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int,
+                           min_n: int, max_n: int) -> torch.Tensor:
+    """`ngram_drafts` for many sequences at once, in a few tensor ops that never wait for the
+    host (a CUDA graph holds them): history [S, H] holds each sequence's tokens in its first
+    lengths[i] (>= 1) columns. Returns [S, num_drafts]: the drafts, then the sequence's last
+    token as filler where fewer follow the match (all filler without one). Greedy verdicts
+    hold whatever the drafts are, so filler only costs a rejected row.
+
+    Each column e ends a window of the max_n tokens up to it; a match of n tokens ending at e
+    is the window's last n agreeing with the history's last n. The longest n wins, then the
+    latest e before the last token: the one (n, e) with the largest n * H + e."""
+    seqs, width = history.shape
+    device = history.device
+    last = lengths[:, None] - 1                                  # the newest token's column
+    windows = F.pad(history, (max_n - 1, 0), value=-1).unfold(1, max_n, 1)   # [S, H, max_n]
+    suffix = windows.gather(1, last[:, :, None].expand(-1, 1, max_n))
+    # agree[s, e, j]: the window's columns j.. all agree with the suffix's, a match of
+    # max_n - j tokens; j runs over the sizes min_n..max_n, longest first
+    agree = (windows == suffix).flip(-1).int().cumprod(-1).flip(-1)[:, :, :max_n - min_n + 1]
+    ends = torch.arange(width, device=device)[None, :, None]
+    sizes = torch.arange(max_n, min_n - 1, -1, device=device)[None, None, :]
+    score = torch.where((agree > 0) & (ends < last[:, :, None]) & (sizes <= last[:, :, None]),
+                        sizes * width + ends, -1).flatten(1).amax(1)
+    found = torch.where(score >= 0, score % width + 1, -1)      # where the drafts begin
+    at = found[:, None] + torch.arange(num_drafts, device=device)
+    real = (found[:, None] >= 0) & (at <= last)
+    return torch.where(real, history.gather(1, at.clamp(0, width - 1)), history.gather(1, last))
 
 
 class SuffixIndex:

@@ -118,6 +118,17 @@ class GraphRunner:
             return None, [], logits[:rows]
         return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]
 
+    def prepare(self, layout: RowsLayout) -> None:
+        """Fills the buffers of an eligible step without replaying it, for a graph captured
+        around the step (`capture_around`: a chain's rounds, workers.chain)."""
+        n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
+        if self.ssm is not None:
+            self.ssm.check_verify(layout.seqs)
+        bucket = self.bucket(n)
+        if (bucket, length, verify) not in self.graphs:
+            self.graphs[(bucket, length, verify)] = self._capture(bucket, length, verify)
+        self._fill(layout, bucket, length)
+
     def input_ids(self, rows: int) -> torch.Tensor:
         """The first `rows` input ids of the step replayed last (drafts patched in)."""
         return self.inputs[0][:rows]
@@ -160,7 +171,15 @@ class GraphRunner:
         self.copied[self.turn].record()
         self.tables[:bucket, :width].copy_(self._views(bucket, length, width, self.inputs)[-1])
 
-    def _capture(self, bucket: int, length: int, verify: bool):
+    def capture_around(self, bucket: int, length: int, verify: bool, before, after):
+        """A graph of the step with the caller's work on each side: `before(views)` writes the
+        step's per-row inputs into its buffer views (`_views`: ids, positions, KV indices, ...),
+        `after(logits)` takes its float32 logits [bucket * length, vocab]. Captured over
+        padding sequences only (the capture runs the step once), so it writes no sequence's
+        caches; `prepare` then fills a real step's buffers before each use."""
+        return self._capture(bucket, length, verify, before, after)[0]
+
+    def _capture(self, bucket: int, length: int, verify: bool, before=None, after=None):
         rows = bucket * length
         ids, pos, kv_index, slots, q_start, q_len, ctx, _ = self._views(bucket, length, 1,
                                                                         self.inputs)
@@ -171,7 +190,11 @@ class GraphRunner:
         self._fill(None, bucket, length)
 
         def step():
+            if before is not None:
+                before(self._views(bucket, length, 1, self.inputs))
             hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)
+            if after is not None:
+                return after(self.model.logits(hidden))
             self.out_hidden[:rows].copy_(hidden)
             for out, c in zip(self.out_captured, captured):
                 out[:rows].copy_(c)

@@ -138,6 +138,17 @@ class SSMSlotPool:
         self.commits[bucket].replay()
         return accepted
 
+    def commit_greedy_captured(self, ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
+                               slots: torch.Tensor, length: int) -> torch.Tensor:
+        """commit_greedy with its drafts and slots [n] already on the device, for a CUDA graph to
+        hold (a chained round: workers.chain): the counting kernel, then the commit kernel over
+        the pairs it wrote. Returns the accepted counts [n]."""
+        index = self.commit_index[:, :drafts.shape[0]]
+        accepted = kernels.greedy_accept(ids, best, drafts, slots, self.offsets, index, length,
+                                         self.commit_pad)
+        kernels.commit_states(self.conv, self.state, self.verify_conv, self.verify_state, index)
+        return accepted
+
     def scratch(self, slots: list[int], layers: int) -> "SSMSlotPool":
         """A copy of the first `layers` layers' state of `slots`, as slots 0..len(slots)-1, for a
         draft pass that must not touch the committed state."""

@@ -16,10 +16,12 @@ import torch
 from metrale.cluster.plan import (AHEAD, SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs,
                                   WorkerCapacity)
 from metrale.drafting.grammar import grammar_compiler
+from metrale.drafting.ngram import ngram_drafts_on_device
 from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
 from metrale.drafting.rejection import greedy_verdict, verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import RowsLayout, SeqRows, to_device
+from metrale.workers.chain import ChainRunner
 from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
@@ -72,6 +74,7 @@ class DeviceDrafts:
 
 
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
+CHAIN_ROUNDS = 4   # greedy n-gram rounds a plan chains on a graph worker (Worker._execute_chain)
 
 
 def _check_ahead(work: list[SeqWork], sampling) -> None:
@@ -136,6 +139,8 @@ class WorkerConfig:
     capture_at_start: bool = True        # capture every decode/verify graph when starting
     warmup_prefill_rows: int = 0         # on CUDA: one dummy prefill of this many rows at start
                                          # (the step budget), compiling its kernels before serving
+    chain_rounds: int | None = None      # greedy n-gram rounds one plan may chain on the device
+                                         # (None: CHAIN_ROUNDS with CUDA graphs, else 0)
 
     @property
     def torch_device(self) -> torch.device:
@@ -203,7 +208,8 @@ class Worker:
             fixed_drafts=p.fixed_drafts if p else None,
             propose_batch_max=p.max_batch if p else 0, self_speculative=config.speculative_method == "self",
             prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda",
-            pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs)
+            pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs,
+            chain_rounds=self._chain_rounds())
         self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
         self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
         self._grammar_compiler = None
@@ -232,11 +238,32 @@ class Worker:
         if self.graphs is not None and p is not None and self.ssm is not None:
             self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots,    # tiny: always now
                                      max_length=config.max_drafts + 1)
+        # after the commits: a chained round commits with their index
+        self.chain = ChainRunner(self.graphs, p.min_n, p.max_n, cfg.max_position_embeddings,
+                                 self.capacity.chain_rounds) \
+            if self.graphs is not None and self.capacity.chain_rounds else None
+        if self.chain is not None and config.capture_at_start:
+            start = time.perf_counter()
+            self.chain.capture_all([k + 1 for k in range(1, config.max_drafts + 1)],
+                                   verify=cfg.is_hybrid)
+            log.info("captured %d chained-round graphs in %.1fs",
+                     len(self.chain.graphs_by_shape), time.perf_counter() - start)
         if config.warmup_prefill_rows and self.device.type == "cuda":
             start = time.perf_counter()
             rows = self.warm_up(config.warmup_prefill_rows)
             log.info("warmed up a prefill of %d rows in %.1fs", rows, time.perf_counter() - start)
         log.info("worker on %s: %s", self.device, self.memory_report())
+
+    def _chain_rounds(self) -> int:
+        """Rounds a plan may chain (`_execute_chain`): with an n-gram proposer on one rank only,
+        by default where CUDA graphs replay (elsewhere every round waits for the host anyway)."""
+        rounds = self.config.chain_rounds
+        if rounds is None:
+            rounds = CHAIN_ROUNDS if self.use_graphs else 0
+        if rounds < 0:
+            raise ValueError(f"chain_rounds must be 0 or more, not {rounds}")
+        ngram = self.proposer is not None and self.proposer.method == "ngram"
+        return rounds if ngram and self.tp.size == 1 else 0
 
     def _make_kv_cache(self) -> PagedKVCache:
         cfg, c = self.model.config, self.config
@@ -377,7 +404,8 @@ class Worker:
         if not plan.work:
             return StepResult()
         if any(w.steps > 1 for w in plan.work):
-            return self._execute_steps(plan)
+            chained = any(w.num_drafts or w.pad_to for w in plan.work)
+            return self._execute_chain(plan) if chained else self._execute_steps(plan)
         start = time.perf_counter()
         work = self._fill_ahead(plan.work)
         self._track_history(work)
@@ -419,6 +447,73 @@ class Worker:
             self.proposer.commit(committed)
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
+
+    def _execute_chain(self, plan: StepPlan) -> StepResult:
+        """`steps` greedy n-gram rounds of the plan's sequences in a row (`SeqWork.steps` with
+        drafts), every sequence verifying the same number of drafts, each round proposed,
+        verified, judged and committed on the device: the next round drafts from the tokens the
+        last one accepted there, and the host reads all the rounds' tokens with one sync at
+        the end. Greedy verdicts are the target's argmaxes whatever the drafts, so the tokens
+        are those of the rounds run one by one. On a graph worker a round is one replay
+        (workers.chain); elsewhere (CPU, tests) the same tensor ops run eagerly and a round
+        reads its drafts back to lay out its forward."""
+        start = time.perf_counter()
+        work = self._fill_ahead(plan.work)
+        self._track_history(work)
+        rounds, depth = work[0].steps, max(max(w.num_drafts, w.pad_to) for w in work)
+        length, verify = depth + 1, self.ssm is not None
+        histories = [self.history[w.slot] for w in work]
+        layout = RowsLayout.of([(w.tokens * length, w.context_len, w.block_table, w.slot, verify)
+                                for w in work], self.config.block_size)
+        if self.chain is not None and self.graphs.eligible(layout):
+            landed = self.chain.run(layout, histories, rounds)
+        else:
+            landed = self._chain_eagerly(work, histories, depth, rounds)
+        outcomes = []
+        for i, w in enumerate(work):
+            tokens, per_round = [], []
+            for r in range(rounds):
+                accepted = landed[r][i][length]
+                tokens += landed[r][i][:accepted + 1]
+                per_round.append(accepted)
+                self.stats.record(depth, accepted)
+            self.history[w.slot].extend(tokens[:-1])   # the last is the next plan's pending token
+            outcomes.append(SeqOutcome(w.seq_id, tokens, depth * rounds, sum(per_round),
+                                       rounds=per_round))
+        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
+        return StepResult(outcomes, 0.0, time.perf_counter() - start)
+
+    def _chain_eagerly(self, work: list[SeqWork], histories: list[list[int]], depth: int,
+                       rounds: int) -> list:
+        """A chain's rounds without its graphs: the same tensor ops, each round's drafts read
+        back to lay out an eager forward. Returns what ChainRunner.run returns."""
+        n, length, dev = len(work), depth + 1, self.device
+        verify, bs = self.ssm is not None, self.config.block_size
+        history = torch.zeros(n, max(map(len, histories)) + rounds * length, dtype=torch.long)
+        for row, tokens in zip(history, histories):
+            row[:len(tokens)] = torch.tensor(tokens)
+        history = history.to(dev)
+        used = to_device([len(h) for h in histories], dev)
+        context = to_device([w.context_len for w in work], dev)
+        rows = torch.arange(length, device=dev)
+        landed = []
+        for _ in range(rounds):
+            drafts = ngram_drafts_on_device(history, used, depth, self.proposer.min_n,
+                                            self.proposer.max_n)
+            ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+            step = RowsLayout.of([(i, c, w.block_table, w.slot, verify) for i, c, w in zip(
+                ids.tolist(), context.tolist(), work)], bs)
+            hidden, _, logits = self._forward(step)
+            logits = self.model.logits(hidden) if logits is None else logits
+            best = logits.argmax(-1).view(n, length)
+            accepted = (drafts == best[:, :depth]).long().cumprod(1).sum(1)
+            if verify:
+                self.ssm.commit([w.slot for w in work], accepted.tolist())
+            history.scatter_(1, used[:, None] + rows, best)
+            used += accepted + 1
+            context += accepted + 1
+            landed.append(torch.cat([best, accepted[:, None]], 1).tolist())
+        return landed
 
     def _execute_steps(self, plan: StepPlan) -> StepResult:
         """A plan of decode steps in a row (`SeqWork.steps`, plain decoding): step i runs every

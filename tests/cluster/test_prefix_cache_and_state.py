@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import checkpoints
@@ -41,10 +42,15 @@ def test_prefix_reuses_blocks_and_keeps_output(checkpoint):
     assert ref.token_ids == checkpoints.reference_greedy(model_dir, second, 24)
 
 
-def test_blocks_filled_while_decoding_are_published_as_they_fill(checkpoint):
-    """Each step offers only the blocks that became full; a follow-up turn whose prompt is the
-    first turn's prompt and output finds every full block of both cached."""
-    llm = LLM(checkpoint("qwen3"), device="cpu", block_size=4)
+@pytest.mark.parametrize("spec", [{}, dict(speculative_method="ngram", num_drafts=3),
+                                  dict(speculative_method="ngram", num_drafts=3, chain_rounds=3)],
+                         ids=["plain", "ngram", "chained"])
+def test_blocks_filled_while_decoding_are_published_as_they_fill(checkpoint, spec):
+    """Each step offers the blocks that became full once it appended its tokens (a step's
+    accepted drafts, and a chain's rounds, are computed before the update appends them: a
+    block offered short would break the hash chain after it); a follow-up turn whose prompt is
+    the first turn's prompt and output finds every full block of both cached."""
+    llm = LLM(checkpoint("qwen3"), device="cpu", block_size=4, **spec)
     prompt = llm.encode("def schedule(self, tokens):")
     rid = llm.add_request(prompt, GREEDY)
     seq = llm.scheduler.by_request[rid][0]

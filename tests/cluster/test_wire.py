@@ -30,10 +30,11 @@ def plan(constraint=None) -> StepPlan:
 def test_records_round_trip():
     assert unpack(StepPlan, pack(plan())) == plan()
     result = StepResult([SeqOutcome(1, [4, 2, 7], proposed=3, accepted=2, logprobs=[
-        TokenLogprobs(-0.25, [(4, -0.25), (3, -1.5)])] * 3), SeqOutcome(2, [1])])
+        TokenLogprobs(-0.25, [(4, -0.25), (3, -1.5)])] * 3), SeqOutcome(2, [1]),
+        SeqOutcome(3, [5, 6, 8, 9], proposed=6, accepted=2, rounds=[0, 2])])   # a chain's
     assert unpack(StepResult, pack(result)) == result
     capacity = WorkerCapacity(100, 16, 4, 512, 384, (0, 2), True, "dflash", (3, 3, 1, 0),
-                              fixed_drafts=3)
+                              fixed_drafts=3, chain_rounds=4)
     assert unpack(WorkerCapacity, pack(capacity)) == capacity
     params = SamplingParams(max_tokens=9, temperature=0.5, stop=("\n\n", "end"), seed=7, n=2,
                             logprobs=3, stop_token_ids=(1,))

@@ -67,3 +67,25 @@ def test_the_worker_indexes_each_prompt_chunk_in_its_prefill_step(checkpoint):
         chunks += 1
         assert index[seq.slot].indexed == seq.num_computed - 1   # before any round looks it up
     assert chunks == 5
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(histories=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1,
+                          max_size=5),
+       spare=st.integers(0, 6), sizes=st.tuples(st.integers(1, 3), st.integers(0, 3)),
+       k=st.integers(1, 6))
+def test_drafts_on_the_device_are_the_scans_then_filler(histories, spare, sizes, k):
+    """A chain's proposer (tensor ops over every sequence at once) drafts what the scan drafts,
+    then repeats the last token up to k; columns past each history hold junk it must not read."""
+    import torch
+    from metrale.drafting.ngram import ngram_drafts_on_device
+    min_n, max_n = sizes[0], sizes[0] + sizes[1]
+    width = max(map(len, histories)) + spare
+    table = torch.randint(0, 4, (len(histories), width), generator=torch.Generator().manual_seed(0))
+    for row, h in zip(table, histories):
+        row[:len(h)] = torch.tensor(h)
+    got = ngram_drafts_on_device(table, torch.tensor([len(h) for h in histories]), k, min_n,
+                                 max_n).tolist()
+    for drafts, h in zip(got, histories):
+        want = ngram_drafts(h, k, min_n, max_n)
+        assert drafts == want + [h[-1]] * (k - len(want))

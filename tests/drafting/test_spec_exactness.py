@@ -112,6 +112,44 @@ def test_every_acceptance_length_commits_exactly(checkpoint, name, k, pad):
         assert 0 < stats.accepted_at[-1] < stats.proposed_at[-1]
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("pad", [False, True], ids=["ragged", "padded"])
+def test_chained_ngram_rounds_are_exact(checkpoint, name, pad):
+    """Greedy n-gram rounds chained on the device (Worker._execute_chain; on the CPU a round
+    reads its drafts back to lay out its forward) emit transformers' greedy tokens: with
+    arrivals, preemption for blocks, chains cut short by max_tokens, and sequences that end
+    inside a chain on a stop token. Sampled sequences are never chained."""
+    model_dir = checkpoint(name)
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+    llm = LLM(model_dir, device="cpu", speculative_method="ngram", num_drafts=3,
+              adaptive_drafts=False, kv_cache_bytes=40 * _kv_block_bytes(model_dir),
+              chain_rounds=3, pad_drafts=pad, **kw)
+    assert llm.worker.capacity.chain_rounds == 3
+    chains, execute = [], llm.worker._execute_chain
+
+    def recorded(plan):
+        chains.append(plan.work[0].steps)
+        return execute(plan)
+    llm.worker._execute_chain = recorded
+    prompts = [llm.encode(p) for p in PROMPTS]
+    refs = reference(model_dir, prompts)
+    outs = run_with_arrivals(llm, {0: prompts[:2], 2: prompts[2:3], 5: prompts[3:]}, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    assert chains and set(chains) <= {2, 3} and 3 in chains
+    assert llm.scheduler.num_preemptions > 0
+    stats = llm.scheduler.stats
+    assert stats.rounds >= sum(chains) and 0 < stats.drafts_accepted < stats.drafts_proposed
+    # a stop token ends each sequence where it first comes, inside a chain or not
+    stops = [r[9] for r in refs]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[t])
+                                  for t in stops])
+    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    chains.clear()
+    llm.generate(prompts[:2], SamplingParams(max_tokens=12, temperature=0.8, seed=3))
+    assert not chains
+
+
 def test_round_k_is_the_minimum_capacity_without_ragged_drafts(checkpoint):
     import dataclasses
     model_dir = checkpoint("qwen3_5")

@@ -122,7 +122,8 @@ def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint,
     """On the graph path a greedy verify on a hybrid target commits its SSM states from accepted
     counts found on the device, before the host reads the verdicts (checked against them); a
     round with a sampled sequence commits after its verdicts as before. Both give transformers'
-    greedy tokens, with n-gram and MTP drafts."""
+    greedy tokens, with n-gram and MTP drafts (n-gram rounds one at a time here: chained ones
+    commit inside their graph, see the chained test below)."""
     from metrale.workers.ssm_pool import SSMSlotPool
     early, late = [], []
     commit_greedy, commit = SSMSlotPool.commit_greedy, SSMSlotPool.commit
@@ -132,7 +133,7 @@ def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint,
                         or commit(self, slots, acc))
     model_dir = checkpoint("qwen3_5")
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=16,
-              speculative_method=method, num_drafts=3, adaptive_drafts=False)
+              speculative_method=method, num_drafts=3, adaptive_drafts=False, chain_rounds=0)
     assert llm.worker.graphs is not None
     prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine"]]
     refs = [checkpoints.reference_greedy(model_dir, p, 32) for p in prompts]
@@ -142,3 +143,32 @@ def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint,
     outs = llm.generate(prompts, [SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
                                   SamplingParams(max_tokens=32, temperature=0.8, seed=1)])
     assert outs[0].token_ids == refs[0] and any(late)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_chained_ngram_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, name):
+    """On a graph worker greedy n-gram rounds chain by default: each round's drafts, inputs,
+    verdicts and (hybrid) SSM commit stay on the device, one verify-graph replay a round, and
+    the host reads a chain once. The tokens are transformers' greedy ones, also for sequences
+    that stop inside a chain."""
+    model_dir = checkpoint(name)
+    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64,
+              speculative_method="ngram", num_drafts=3, adaptive_drafts=False)
+    worker = llm.worker
+    assert worker.capacity.chain_rounds == 4 and worker.graphs is not None
+    # captured at start: every bucket, for 2..4 rows
+    assert len(worker.chain.graphs_by_shape) == 3 * len(worker.graphs.buckets)
+    chains, eager = [], []
+    run, chain_eagerly = worker.chain.run, worker._chain_eagerly
+    worker.chain.run = lambda layout, h, rounds: chains.append(rounds) or run(layout, h, rounds)
+    worker._chain_eagerly = lambda *a: eager.append(1) or chain_eagerly(*a)
+    prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine", "x"]]
+    refs = [checkpoints.reference_greedy(model_dir, p, 40) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert chains and not eager and max(chains) == 4
+    stops = [r[12] for r in refs]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[t])
+                                  for t in stops])
+    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]

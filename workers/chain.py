@@ -1,0 +1,128 @@
+"""Greedy n-gram rounds chained on the device: one CUDA graph replay a round.
+
+A chained round drafts from each sequence's history (`ngram_drafts_on_device`), lays out its
+verify rows, runs the target, counts the accepted drafts, commits a hybrid's SSM states and
+appends the round's tokens to the history, all inside one graph over static buffers. The host
+fills the buffers once per chain, replays the graph once per round and reads every round's
+tokens with one sync at the end (`Worker._execute_chain`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from metrale.drafting.ngram import ngram_drafts_on_device
+from metrale.workers.batch import RowsLayout, to_device
+from metrale.workers.cuda_graphs import GraphRunner
+
+
+class ChainRunner:
+    """The chain's static buffers, shared by its graphs (one per batch bucket and rows per
+    sequence, captured at start or on first use): each sequence's tokens (`history`, the first
+    `used` of a row valid), its cached length (`context`), and the latest round's argmaxes
+    and accepted count per sequence (`landing`, [bucket, length + 1])."""
+
+    def __init__(self, graphs: GraphRunner, min_n: int, max_n: int, max_len: int,
+                 max_rounds: int):
+        self.graphs, self.min_n, self.max_n = graphs, min_n, max_n
+        device = graphs.tables.device
+        seqs = graphs.buckets[-1]
+        self.width = max_len + max_rounds * graphs.max_rows   # what the rounds may append
+        self.history = torch.zeros(seqs, self.width, dtype=torch.long, device=device)
+        self.used = torch.ones(seqs, dtype=torch.long, device=device)
+        self.context = torch.zeros(seqs, dtype=torch.long, device=device)
+        self.landing = torch.zeros(seqs, graphs.max_rows + 1, dtype=torch.long, device=device)
+        # per (bucket, rows, verify): the graph, and the functions captured in it, which hold
+        # tensors it reads (freed, their memory would be handed out again)
+        self.graphs_by_shape: dict[tuple[int, int, bool], tuple] = {}
+
+    @torch.inference_mode()
+    def run(self, layout: RowsLayout, histories: list[list[int]], rounds: int) -> list:
+        """Runs `rounds` chained rounds of the layout's sequences (one length: the pending
+        token's row and the drafts'; its ids are not read), whose token histories, pending
+        token last, are `histories`. Returns per round and sequence its argmaxes, then its
+        accepted count (host lists, read with one sync)."""
+        n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
+        bucket = self.graphs.bucket(n)
+        key = (bucket, length, verify)
+        if key not in self.graphs_by_shape:
+            self._capture(*key)
+        self.graphs.prepare(layout)       # slots, block tables, row starts; padding sequences
+        self._reset(bucket)
+        width = max(map(len, histories))
+        tokens = np.zeros((n, width), dtype=np.int64)
+        for row, history in zip(tokens, histories):
+            row[:len(history)] = history
+        to_device(tokens, self.history.device, out=self.history[:n, :width])
+        sizes = to_device([[len(h) for h in histories], [s.context_len for s in layout.seqs]],
+                          self.history.device)
+        self.used[:n].copy_(sizes[0])
+        self.context[:n].copy_(sizes[1])
+        graph = self.graphs_by_shape[key][0]
+        landed = torch.empty(rounds, n, length + 1, dtype=torch.long, device=self.history.device)
+        for r in range(rounds):
+            graph.replay()
+            landed[r].copy_(self.landing[:n, :length + 1])
+        return landed.tolist()
+
+    def capture_all(self, lengths: list[int], verify: bool) -> None:
+        """Captures every bucket's round for each row count (k + 1 for k drafts), so no chain
+        waits for a capture: the draft policy moves k, and the batch shrinks, within a run."""
+        for length in lengths:
+            for bucket in reversed(self.graphs.buckets):
+                if (bucket, length, verify) not in self.graphs_by_shape:
+                    self._capture(bucket, length, verify)
+
+    def _capture(self, bucket: int, length: int, verify: bool) -> None:
+        self._reset(bucket)   # the capture runs the round once, over padding only
+        around = self._round(bucket, length, verify)   # kept: the graph reads its tensors
+        self.graphs_by_shape[(bucket, length, verify)] = (
+            self.graphs.capture_around(bucket, length, verify, *around), around)
+
+    def _reset(self, bucket: int) -> None:
+        """Every sequence of the bucket as padding: one token, nothing cached (padding rows
+        write the block and slot kept for them, which `prepare` gives them)."""
+        self.history[:bucket].zero_()
+        self.used[:bucket] = 1
+        self.context[:bucket] = 0
+
+    def _round(self, bucket: int, length: int, verify: bool):
+        """The work on each side of the target's step in a round's graph (see
+        GraphRunner.capture_around)."""
+        depth, graphs, bs = length - 1, self.graphs, self.graphs.block_size
+        history, used, context = self.history[:bucket], self.used[:bucket], self.context[:bucket]
+        tables = graphs.tables[:bucket]
+        rows = torch.arange(length, device=history.device)
+        counts = torch.full((bucket,), depth, dtype=torch.long, device=history.device)
+        step = {}
+
+        def before(views):
+            ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
+            drafts = ngram_drafts_on_device(history, used, depth, self.min_n, self.max_n)
+            ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+            positions = context[:, None] + rows
+            kv = tables.gather(1, positions // bs).long() * bs + positions % bs
+            ids_in.copy_(ids.view(-1))
+            positions_in.copy_(positions.view(-1))
+            kv_in.copy_(kv.view(-1))
+            context_in.copy_(context)
+            step.update(ids=ids_in, drafts=drafts, slots=slots_in)
+
+        def after(logits):
+            best = logits.argmax(-1)
+            if verify:
+                accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
+                                                             step["slots"], length)
+            else:
+                accepted = (step["drafts"] == best.view(bucket, length)[:, :depth]).long() \
+                    .cumprod(1).sum(1)
+            best = best.view(bucket, length)
+            # the round's tokens after each history: columns past the accepted ones are
+            # written over by the next round's
+            history.scatter_(1, used[:, None] + rows, best)
+            used.add_(accepted + 1)
+            context.add_(accepted + 1)
+            self.landing[:bucket, :length].copy_(best)
+            self.landing[:bucket, length].copy_(accepted)
+        return before, after
