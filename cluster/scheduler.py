@@ -253,8 +253,8 @@ class Scheduler:
             chosen = [(seq, n, min(k, k_min)) for seq, n, k in chosen]
         pad = self._pad_depth(chosen)
         rounds = self._chain_rounds(chosen, pad)
-        work = [self._work(seq, n, k, pad.get(seq.seq_id, 0), rounds or decode_steps.get(seq.seq_id, 1))
-                for seq, n, k in chosen]
+        work = [self._work(seq, n, k, pad.get(seq.seq_id, 0),
+                           rounds or decode_steps.get(seq.seq_id, 1)) for seq, n, k in chosen]
         if self.plans_ahead and not prefill_only:
             work += self._ahead(min(room - len(work), budget))
         for w in work[:len(chosen)]:

@@ -239,7 +239,11 @@ class Worker:
             self.ssm.capture_commits(self.graphs.buckets, spare_slot=slots,    # tiny: always now
                                      max_length=config.max_drafts + 1)
         # after the commits: a chained round commits with their index
-        self.chain = ChainRunner(self.graphs, p.min_n, p.max_n, cfg.max_position_embeddings,
+        # (a sequence holds at most what the context and the KV cache hold; a round's lookup
+        # costs the history buffer's width, whatever the sequences' lengths)
+        self.chain = ChainRunner(self.graphs, p.min_n, p.max_n,
+                                 min(cfg.max_position_embeddings,
+                                     self.kv.num_blocks * config.block_size),
                                  self.capacity.chain_rounds) \
             if self.graphs is not None and self.capacity.chain_rounds else None
         if self.chain is not None and config.capture_at_start:
