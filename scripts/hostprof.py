@@ -43,6 +43,9 @@ def profile(spec: str, prompts) -> None:
         wrap(w.ssm, "commit", ph, "ssm.commit")
     if w.proposer is not None:
         wrap(w.proposer, "commit", ph, "proposer.commit")
+    if w.chain is not None:   # a chain of n-gram rounds; its runner waits for the device once
+        wrap(w, "_execute_chain", ph, "worker._execute_chain")
+        wrap(w.chain, "run", ph, "  chain.run (rounds)")
     for name in ("_launch_decode", "_read_flights"):   # steps that fly (Worker.launch)
         wrap(w, name, ph, "worker." + name)
     wrap(w, "launch", ph, "worker.launch (all)")

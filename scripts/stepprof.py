@@ -7,7 +7,8 @@ DRAFTS drafts (adaptive draft length off), or with `aK` at most K drafts chosen 
 policy (then the rounds' ks are printed too), twice (the first run compiles and captures). It prints
 the steps' total and median milliseconds, the slowest four, the worker's phases (propose, target
 forward, verdicts, SSM commit, drafter commit, and inside them MTP's and DFlash's catch-up and
-draft graph; each timed between device syncs, so their sum is above an unprofiled step's), and
+draft graph; a chain of n-gram rounds and inside it its rounds' upload and replays; each timed
+between device syncs, so their sum is above an unprofiled step's), and
 how many forwards could not replay a CUDA graph, and per tenth of the steps the sequences running,
 tokens emitted and milliseconds per step (where a batch's tail goes).
 """
@@ -81,6 +82,9 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
             w.proposer.graphs.run = timed(phases, "  draft graph", w.proposer.graphs.run)
     if w.ssm is not None:
         w.ssm.commit = timed(phases, "ssm commit", w.ssm.commit)
+    if w.chain is not None:   # chained n-gram rounds: the whole chain, and its rounds' graphs
+        w._execute_chain = timed(phases, "chain", w._execute_chain)
+        w.chain.run = timed(phases, "  rounds", w.chain.run)
     sched = llm.scheduler
     for run in range(2):
         ids = admit(llm, prompts[:batch])
