@@ -150,6 +150,31 @@ def test_chained_ngram_rounds_are_exact(checkpoint, name, pad):
     assert not chains
 
 
+def test_chains_stop_at_the_context_and_skip_logprobs(checkpoint):
+    """A chain never writes past the context (its rounds are cut to what max_model_len leaves),
+    and requests asking for logprobs run one round per plan; both keep the greedy tokens."""
+    model_dir = checkpoint("qwen3_5")
+    llm = LLM(model_dir, device="cpu", speculative_method="ngram", num_drafts=3,
+              adaptive_drafts=False, block_size=4, max_model_len=48, chain_rounds=4,
+              pad_drafts=True)
+    chains, execute = [], llm.worker._execute_chain
+
+    def recorded(plan):   # the end of the rows the chain may write
+        depth = max(max(w.num_drafts, w.pad_to) for w in plan.work)
+        chains.append(max(w.context_len for w in plan.work) + plan.work[0].steps * (depth + 1))
+        return execute(plan)
+    llm.worker._execute_chain = recorded
+    prompt = llm.encode(PROMPTS[0])
+    ref = reference(model_dir, [prompt], 48 - len(prompt))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert out[0].token_ids == ref[:48 - len(prompt)]
+    assert chains and max(chains) <= 48, chains
+    chains.clear()
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                logprobs=1))
+    assert out[0].token_ids == ref[:12] and not chains
+
+
 def test_round_k_is_the_minimum_capacity_without_ragged_drafts(checkpoint):
     import dataclasses
     model_dir = checkpoint("qwen3_5")
