@@ -262,6 +262,14 @@ class Scheduler:
             self.flying_steps[w.seq_id] = [w.steps]
         return work
 
+    @staticmethod
+    def _read_each_token(seq: Sequence) -> bool:
+        """Whether the host must see each of the sequence's tokens before the next is computed:
+        a grammar or constraint masks it, and logprobs are read for it. Such a sequence runs
+        one step, or one round, per plan."""
+        p = seq.params
+        return p.grammar is not None or p.constraint is not None or p.logprobs is not None
+
     def _decode_steps(self, seq: Sequence, flying: int) -> int:
         """Decode steps in a row for a plan of the sequence after `flying` tokens in flight:
         `decode_steps` where nothing needs a verdict, a mask or logprobs between them, within
@@ -269,8 +277,7 @@ class Scheduler:
         p = self.config.decode_steps
         if p is None:
             p = 1 if seq.streamed or self.capacity.graphs else UNSTREAMED_DECODE_STEPS
-        if p == 1 or self.num_drafts or seq.params.grammar is not None \
-                or seq.params.constraint is not None or seq.params.logprobs is not None:
+        if p == 1 or self.num_drafts or self._read_each_token(seq):
             return 1
         return max(1, min(p, self._tokens_left(seq) - flying))
 
@@ -411,10 +418,8 @@ class Scheduler:
         if most < 2 or not depth:
             return 0
         for seq, n, k in chosen:
-            p = seq.params
             if (n != 1 or seq.num_pending != 1 or max(k, pad.get(seq.seq_id, 0)) != depth
-                    or not self._sampling(seq, 0).greedy or p.logprobs is not None
-                    or p.grammar is not None or p.constraint is not None):
+                    or not self._sampling(seq, 0).greedy or self._read_each_token(seq)):
                 return 0
         rounds = min(most, max(self._tokens_left(seq) for seq, _, _ in chosen),
                      min((self.max_model_len - seq.num_computed) // (depth + 1)

@@ -17,6 +17,37 @@ from metrale.workers.batch import RowsLayout, to_device
 from metrale.workers.cuda_graphs import GraphRunner
 
 
+def padded_histories(histories: list[list[int]], width: int) -> np.ndarray:
+    """The sequences' token histories as rows of `width` columns, zeros after each."""
+    rows = np.zeros((len(histories), width), dtype=np.int64)
+    for row, history in zip(rows, histories):
+        row[:len(history)] = history
+    return rows
+
+
+def draft_round(history: torch.Tensor, used: torch.Tensor, depth: int, min_n: int,
+                max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's drafts [S, depth] and its rows' ids [S, depth + 1] (the pending token, the
+    history's last, then the drafts)."""
+    drafts = ngram_drafts_on_device(history, used, depth, min_n, max_n)
+    return drafts, torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+
+
+def greedy_counts(drafts: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """Drafts each sequence accepted: those before the first that is not the argmax of the row
+    before it (best [S, depth + 1])."""
+    return (drafts == best[:, :drafts.shape[1]]).long().cumprod(1).sum(1)
+
+
+def advance(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor,
+            best: torch.Tensor, accepted: torch.Tensor) -> None:
+    """Appends a round's tokens (the argmaxes of the accepted drafts' rows and the next) to each
+    history, in place. Columns past the accepted ones are written over by the next round's."""
+    history.scatter_(1, used[:, None] + torch.arange(best.shape[1], device=best.device), best)
+    used.add_(accepted + 1)
+    context.add_(accepted + 1)
+
+
 class ChainRunner:
     """The chain's static buffers, shared by its graphs (one per batch bucket and rows per
     sequence, captured at start or on first use): each sequence's tokens (`history`, the first
@@ -51,10 +82,8 @@ class ChainRunner:
         self.graphs.prepare(layout)       # slots, block tables, row starts; padding sequences
         self._reset(bucket)
         width = max(map(len, histories))
-        tokens = np.zeros((n, width), dtype=np.int64)
-        for row, history in zip(tokens, histories):
-            row[:len(history)] = history
-        to_device(tokens, self.history.device, out=self.history[:n, :width])
+        to_device(padded_histories(histories, width), self.history.device,
+                  out=self.history[:n, :width])
         sizes = to_device([[len(h) for h in histories], [s.context_len for s in layout.seqs]],
                           self.history.device)
         self.used[:n].copy_(sizes[0])
@@ -99,8 +128,7 @@ class ChainRunner:
 
         def before(views):
             ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
-            drafts = ngram_drafts_on_device(history, used, depth, self.min_n, self.max_n)
-            ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+            drafts, ids = draft_round(history, used, depth, self.min_n, self.max_n)
             positions = context[:, None] + rows
             kv = tables.gather(1, positions // bs).long() * bs + positions % bs
             ids_in.copy_(ids.view(-1))
@@ -115,14 +143,9 @@ class ChainRunner:
                 accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
                                                              step["slots"], length)
             else:
-                accepted = (step["drafts"] == best.view(bucket, length)[:, :depth]).long() \
-                    .cumprod(1).sum(1)
+                accepted = greedy_counts(step["drafts"], best.view(bucket, length))
             best = best.view(bucket, length)
-            # the round's tokens after each history: columns past the accepted ones are
-            # written over by the next round's
-            history.scatter_(1, used[:, None] + rows, best)
-            used.add_(accepted + 1)
-            context.add_(accepted + 1)
+            advance(history, used, context, best, accepted)
             self.landing[:bucket, :length].copy_(best)
             self.landing[:bucket, length].copy_(accepted)
         return before, after

@@ -16,12 +16,12 @@ import torch
 from metrale.cluster.plan import (AHEAD, SeqOutcome, SeqWork, StepPlan, StepResult, TokenLogprobs,
                                   WorkerCapacity)
 from metrale.drafting.grammar import grammar_compiler
-from metrale.drafting.ngram import ngram_drafts_on_device
 from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_proposer
 from metrale.drafting.rejection import greedy_verdict, verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import RowsLayout, SeqRows, to_device
-from metrale.workers.chain import ChainRunner
+from metrale.workers.chain import (ChainRunner, advance, draft_round, greedy_counts,
+                                   padded_histories)
 from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
@@ -493,29 +493,23 @@ class Worker:
         back to lay out an eager forward. Returns what ChainRunner.run returns."""
         n, length, dev = len(work), depth + 1, self.device
         verify, bs = self.ssm is not None, self.config.block_size
-        history = torch.zeros(n, max(map(len, histories)) + rounds * length, dtype=torch.long)
-        for row, tokens in zip(history, histories):
-            row[:len(tokens)] = torch.tensor(tokens)
-        history = history.to(dev)
+        history = to_device(padded_histories(histories, max(map(len, histories)) + rounds * length),
+                            dev)
         used = to_device([len(h) for h in histories], dev)
         context = to_device([w.context_len for w in work], dev)
-        rows = torch.arange(length, device=dev)
         landed = []
         for _ in range(rounds):
-            drafts = ngram_drafts_on_device(history, used, depth, self.proposer.min_n,
-                                            self.proposer.max_n)
-            ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+            drafts, ids = draft_round(history, used, depth, self.proposer.min_n,
+                                      self.proposer.max_n)
             step = RowsLayout.of([(i, c, w.block_table, w.slot, verify) for i, c, w in zip(
                 ids.tolist(), context.tolist(), work)], bs)
             hidden, _, logits = self._forward(step)
             logits = self.model.logits(hidden) if logits is None else logits
             best = logits.argmax(-1).view(n, length)
-            accepted = (drafts == best[:, :depth]).long().cumprod(1).sum(1)
+            accepted = greedy_counts(drafts, best)
             if verify:
                 self.ssm.commit([w.slot for w in work], accepted.tolist())
-            history.scatter_(1, used[:, None] + rows, best)
-            used += accepted + 1
-            context += accepted + 1
+            advance(history, used, context, best, accepted)
             landed.append(torch.cat([best, accepted[:, None]], 1).tolist())
         return landed
 
