@@ -175,6 +175,11 @@ def test_chains_stop_at_the_context_and_skip_logprobs(checkpoint):
     assert out[0].token_ids == ref[:12] and not chains
 
 
+def test_a_negative_chain_rounds_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="chain_rounds must be 0 or more, not -1"):
+        LLM(checkpoint("qwen3"), device="cpu", speculative_method="ngram", chain_rounds=-1)
+
+
 def test_round_k_is_the_minimum_capacity_without_ragged_drafts(checkpoint):
     import dataclasses
     model_dir = checkpoint("qwen3_5")
