@@ -27,21 +27,24 @@ def ngram_drafts_on_device(history: torch.Tensor, lengths: torch.Tensor, num_dra
     token as filler where fewer follow the match (all filler without one). Greedy verdicts
     hold whatever the drafts are, so filler only costs a rejected row.
 
-    Each column e ends a window of the max_n tokens up to it; a match of n tokens ending at e
-    is the window's last n agreeing with the history's last n. The longest n wins, then the
+    A match of n tokens ends at column e when history[e - k] equals the suffix's k-th token
+    from the end for every k < n (built up one k at a time: elementwise ops over [S, H], with
+    no scan over a short last dimension, which CUDA runs slowly). The longest n wins, then the
     latest e before the last token: the one (n, e) with the largest n * H + e."""
-    seqs, width = history.shape
-    device = history.device
+    width, device = history.shape[1], history.device
     last = lengths[:, None] - 1                                  # the newest token's column
-    windows = F.pad(history, (max_n - 1, 0), value=-1).unfold(1, max_n, 1)   # [S, H, max_n]
-    suffix = windows.gather(1, last[:, :, None].expand(-1, 1, max_n))
-    # agree[s, e, j]: the window's columns j.. all agree with the suffix's, a match of
-    # max_n - j tokens; j runs over the sizes min_n..max_n, longest first
-    agree = (windows == suffix).flip(-1).int().cumprod(-1).flip(-1)[:, :, :max_n - min_n + 1]
-    ends = torch.arange(width, device=device)[None, :, None]
-    sizes = torch.arange(max_n, min_n - 1, -1, device=device)[None, None, :]
-    score = torch.where((agree > 0) & (ends < last[:, :, None]) & (sizes <= last[:, :, None]),
-                        sizes * width + ends, -1).flatten(1).amax(1)
+    padded = F.pad(history, (max_n - 1, 0), value=-1)           # -1 matches no token
+    ends = torch.arange(width, device=device)[None, :]
+    earlier = ends < last
+    agree = torch.ones_like(earlier)
+    score = torch.full_like(history, -1)
+    for n in range(1, max_n + 1):
+        k = n - 1                     # history[e - k] against the suffix's token at last - k
+        agree &= padded[:, max_n - 1 - k:max_n - 1 - k + width] == history.gather(
+            1, (last - k).clamp(min=0))
+        if n >= min_n:
+            score = torch.where(agree & earlier & (last >= n), n * width + ends, score)
+    score = score.amax(1)
     found = torch.where(score >= 0, score % width + 1, -1)      # where the drafts begin
     at = found[:, None] + torch.arange(num_drafts, device=device)
     real = (found[:, None] >= 0) & (at <= last)
