@@ -56,6 +56,10 @@ class MetraleConfig(BaseModel):
                                "sequence (a sliding window).")
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram lookup matches.")
     ngram_max: int = Field(4, ge=1, description="Longest suffix n-gram lookup matches.")
+    chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram rounds one plan "
+                                     "runs on the device before the host reads their tokens (a "
+                                     "new request waits for the chain); default: 8 with CUDA "
+                                     "graphs, else 0 (off).")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "
@@ -199,7 +203,7 @@ class MetraleConfig(BaseModel):
             verify_pool_bytes=self.verify_pool_bytes,
             mtp_confidence_threshold=self.mtp_confidence_threshold,
             self_spec_layers=self.self_spec_layers, dflash_window=self.dflash_window,
-            ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+            ngram_min=self.ngram_min, ngram_max=self.ngram_max, chain_rounds=self.chain_rounds,
             tensor_parallel_size=self.tensor_parallel_size,
             attention_backend=self.attention_backend, cuda_graphs=self.cuda_graphs,
             warmup_prefill_rows=self.max_num_batched_tokens, **extra)

@@ -74,7 +74,7 @@ class DeviceDrafts:
 
 
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
-CHAIN_ROUNDS = 4   # greedy n-gram rounds a plan chains on a graph worker (Worker._execute_chain)
+CHAIN_ROUNDS = 8   # greedy n-gram rounds a plan chains on a graph worker (Worker._execute_chain)
 
 
 def _check_ahead(work: list[SeqWork], sampling) -> None:

@@ -8,6 +8,7 @@ import torch
 import checkpoints
 from metrale.cluster.params import SamplingParams
 from metrale.deploy.llm import LLM
+from metrale.workers.worker import CHAIN_ROUNDS
 
 pytestmark = pytest.mark.gpu
 
@@ -155,7 +156,7 @@ def test_chained_ngram_rounds_replay_graphs_and_keep_the_reference_tokens(checkp
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64,
               speculative_method="ngram", num_drafts=3, adaptive_drafts=False)
     worker = llm.worker
-    assert worker.capacity.chain_rounds == 4 and worker.graphs is not None
+    assert worker.capacity.chain_rounds == CHAIN_ROUNDS and worker.graphs is not None
     # captured at start: every bucket, for 2..4 rows
     assert len(worker.chain.graphs_by_shape) == 3 * len(worker.graphs.buckets)
     chains, eager = [], []
