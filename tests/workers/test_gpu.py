@@ -167,7 +167,7 @@ def test_chained_ngram_rounds_replay_graphs_and_keep_the_reference_tokens(checkp
     refs = [checkpoints.reference_greedy(model_dir, p, 40) for p in prompts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
-    assert chains and not eager and max(chains) == 4
+    assert chains and not eager and max(chains) == CHAIN_ROUNDS
     stops = [r[12] for r in refs]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
                                                  stop_token_ids=[t])
