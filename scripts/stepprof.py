@@ -1,6 +1,7 @@
 """Where an engine step's time goes on the bundled model, per phase (meant for a GPU; runs on CPU).
 
     python3 scripts/stepprof.py ngram:3:32 mtp:a3:1 none:0:64     # METHOD:DRAFTS:BATCH ...
+    python3 scripts/stepprof.py --steady 4 ngram:a7:32 none:0:32    # steady runs, per step
 
 Each spec decodes BATCH held-out prompts together for 128 tokens with every round carrying
 DRAFTS drafts (adaptive draft length off), or with `aK` at most K drafts chosen by the draft
@@ -18,6 +19,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -43,9 +45,10 @@ def timed(phases: dict, name: str, fn):
     return run
 
 
-def engine(method: str, drafts: str) -> LLM:
-    """The bundled model's engine for METHOD with DRAFTS (`K`, or `aK` for the policy's choice)."""
-    return LLM(str(BUNDLED_MODEL), max_num_seqs=64, speculative_method=method,
+def engine(method: str, drafts: str, **options) -> LLM:
+    """The bundled model's engine for METHOD with DRAFTS (`K`, or `aK` for the policy's choice);
+    `options` are further LLM arguments."""
+    return LLM(str(BUNDLED_MODEL), max_num_seqs=64, speculative_method=method, **options,
                kv_cache_bytes=kv_bytes_needed(str(BUNDLED_MODEL), "auto", 64, 400),
                num_drafts=int(drafts.lstrip("a")) or None, adaptive_drafts=drafts.startswith("a"),
                drafter=str(BUNDLED_DFLASH) if method == "dflash" else None)
@@ -120,11 +123,70 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
     llm.close()
 
 
+def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
+    """Each step of steady runs: waves x batch requests, at most `batch` running, as in
+    gpubench's steady_run with its budget of 16384 rows a step. Per step: its kind (prefill;
+    prompt chunks mixed with decoding, where no graphs replay; decode; speculative round; chain
+    of rounds; or a step that only read one launched before), the sequences and rows planned,
+    and its milliseconds between device syncs. Runs twice, the first compiling, and prints per
+    kind the steps, total and median ms, and the slowest 8 steps."""
+    llm = engine(method, drafts, max_num_batched_tokens=16384)   # gpubench's budget
+    w, sched = llm.worker, llm.scheduler
+    eager = []
+    if w.chain is not None:   # a chain whose layout no graph holds runs op by op
+        chain_eagerly = w._chain_eagerly
+        w._chain_eagerly = lambda *a: eager.append(1) or chain_eagerly(*a)
+    config = sched.config
+    sched.config = replace(config, max_num_seqs=batch)
+    plans = []
+    schedule = sched.schedule
+    sched.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
+    for run in range(2):
+        ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
+               for p in prompts[:batch * waves]]
+        steps, eager[:] = [], []
+        start = time.perf_counter()
+        while llm.has_work:
+            plans.clear()
+            t = time.perf_counter()
+            llm.step()
+            sync()
+            work = plans[0].work if plans else []   # none planned: a step launched before
+            drafted = any(w_.num_drafts or w_.pad_to for w_ in work)
+            chunks = sum(len(w_.tokens) > 1 for w_ in work)   # prompt chunks (the rest decode)
+            kind = ("ahead" if not plans else "empty" if not work else
+                    "prefill" if chunks == len(work) else "mixed" if chunks else
+                    f"chain x{work[0].steps}" if drafted and work[0].steps > 1 else
+                    "round" if drafted else "decode")
+            steps.append((kind, len(work), sum(len(w_.tokens) for w_ in work),
+                          round((time.perf_counter() - t) * 1e3, 2)))
+        wall = time.perf_counter() - start
+        tokens = sum(len(s_.output_ids) for i in ids for s_ in sched.pop_finished(i))
+        print(f"{method}:{drafts}:{batch} steady x{waves} run {run}: {len(steps)} steps, "
+              f"{wall * 1e3:.0f} ms, {tokens / wall:.0f} tokens/s, chains run op by op: "
+              f"{len(eager)}")
+        for kind in sorted({k for k, *_ in steps}):
+            ms = [m for k, *_, m in steps if k == kind]
+            print(f"   {kind:10s} {len(ms):4d} steps {sum(ms):8.1f} ms, median {statistics.median(ms):.2f}"
+                  f", max {max(ms):.1f}")
+        print("   slowest (kind, sequences, rows, ms):",
+              sorted(steps, key=lambda x: -x[3])[:8])
+    sched.config = config
+    llm.close()
+
+
 def main() -> None:
-    prompts = bundled_prompts(BUNDLED_MODEL, 64, 256)
-    for spec in sys.argv[1:]:
+    args = sys.argv[1:]
+    waves = 0
+    if args[:1] == ["--steady"]:
+        waves, args = int(args[1]), args[2:]
+    prompts = bundled_prompts(BUNDLED_MODEL, 64 * max(waves, 1), 256)
+    for spec in args:
         method, drafts, batch = spec.split(":")
-        profile(method, drafts, int(batch), prompts)
+        if waves:
+            steady(method, drafts, int(batch), waves, prompts)
+        else:
+            profile(method, drafts, int(batch), prompts)
 
 
 if __name__ == "__main__":
