@@ -167,8 +167,8 @@ def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
               f"{len(eager)}")
         for kind in sorted({k for k, *_ in steps}):
             ms = [m for k, *_, m in steps if k == kind]
-            print(f"   {kind:10s} {len(ms):4d} steps {sum(ms):8.1f} ms, median {statistics.median(ms):.2f}"
-                  f", max {max(ms):.1f}")
+            print(f"   {kind:10s} {len(ms):4d} steps {sum(ms):8.1f} ms, median "
+                  f"{statistics.median(ms):.2f}, max {max(ms):.1f}")
         print("   slowest (kind, sequences, rows, ms):",
               sorted(steps, key=lambda x: -x[3])[:8])
     sched.config = config
