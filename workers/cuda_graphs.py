@@ -101,6 +101,19 @@ class GraphRunner:
         `patch(ids)` edits the input ids on the device (drafts or tokens still there) before the
         replay. The logits are the shared output buffer, valid until the next replay; the hidden
         rows are copied out of it unless `keep_hidden` is False (then None)."""
+        graph, hidden, captured, logits = self.prepare(layout)
+        rows = len(layout.seqs) * layout.uniform_length
+        if patch is not None:
+            patch(self.inputs[0][:rows])
+        graph.replay()
+        if not keep_hidden:
+            return None, [], logits[:rows]
+        return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]
+
+    def prepare(self, layout: RowsLayout) -> tuple:
+        """Fills the buffers of an eligible step without replaying it (what `run` replays, or a
+        graph captured around the step: `capture_around`, a chain's rounds in workers.chain).
+        Returns the step's graph and its output buffers, capturing them on first use."""
         n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
         if self.ssm is not None:
             self.ssm.check_verify(layout.seqs)
@@ -108,26 +121,8 @@ class GraphRunner:
         key = (bucket, length, verify)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bucket, length, verify)
-        graph, hidden, captured, logits = self.graphs[key]
         self._fill(layout, bucket, length)
-        if patch is not None:
-            patch(self.inputs[0][:n * length])
-        graph.replay()
-        rows = n * length
-        if not keep_hidden:
-            return None, [], logits[:rows]
-        return hidden[:rows].clone(), [c[:rows].clone() for c in captured], logits[:rows]
-
-    def prepare(self, layout: RowsLayout) -> None:
-        """Fills the buffers of an eligible step without replaying it, for a graph captured
-        around the step (`capture_around`: a chain's rounds, workers.chain)."""
-        n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
-        if self.ssm is not None:
-            self.ssm.check_verify(layout.seqs)
-        bucket = self.bucket(n)
-        if (bucket, length, verify) not in self.graphs:
-            self.graphs[(bucket, length, verify)] = self._capture(bucket, length, verify)
-        self._fill(layout, bucket, length)
+        return self.graphs[key]
 
     def input_ids(self, rows: int) -> torch.Tensor:
         """The first `rows` input ids of the step replayed last (drafts patched in)."""
