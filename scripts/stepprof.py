@@ -123,6 +123,30 @@ def profile(method: str, drafts: str, batch: int, prompts) -> None:
     llm.close()
 
 
+def watch_compiles() -> list:
+    """A list that gets ("c", kernel) for each Triton kernel compiled (or loaded from the disk
+    cache) from now on, ("a", kernel) for each autotune benchmark and ("g",) for each CUDA graph
+    captured; the caller clears it."""
+    import metrale.workers.cuda_graphs as cuda_graphs
+    events: list = []
+
+    def counted(tag, fn):
+        def wrapped(*args, **kwargs):
+            kernel = getattr(args[0], "fn", args[0]) if args else None
+            events.append((tag, getattr(kernel, "__name__", "")))
+            return fn(*args, **kwargs)
+        return wrapped
+    cuda_graphs.capture = counted("g", cuda_graphs.capture)
+    try:
+        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.jit import JITFunction
+        JITFunction._do_compile = counted("c", JITFunction._do_compile)
+        Autotuner._bench = counted("a", Autotuner._bench)
+    except (ImportError, AttributeError) as e:
+        print(f"   (Triton compiles not watched: {e})")
+    return events
+
+
 def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
     """Each step of steady runs: waves x batch requests, at most `batch` running, as in
     gpubench's steady_run with its budget of 16384 rows a step. Per step: its kind (prefill;
@@ -136,6 +160,7 @@ def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
     if w.chain is not None:   # a chain whose layout no graph holds runs op by op
         chain_eagerly = w._chain_eagerly
         w._chain_eagerly = lambda *a: eager.append(1) or chain_eagerly(*a)
+    events = watch_compiles()
     config = sched.config
     sched.config = replace(config, max_num_seqs=batch)
     plans = []
@@ -144,10 +169,11 @@ def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
     for run in range(2):
         ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
                for p in prompts[:batch * waves]]
-        steps, eager[:] = [], []
+        steps, eager[:], named = [], [], set()
         start = time.perf_counter()
         while llm.has_work:
             plans.clear()
+            events.clear()
             t = time.perf_counter()
             llm.step()
             sync()
@@ -159,18 +185,26 @@ def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
                     f"chain x{work[0].steps}" if drafted and work[0].steps > 1 else
                     "round" if drafted else "decode")
             steps.append((kind, len(work), sum(len(w_.tokens) for w_ in work),
-                          round((time.perf_counter() - t) * 1e3, 2)))
+                          round((time.perf_counter() - t) * 1e3, 2),
+                          "".join(e[0] for e in events)))
+            named.update(f"{tag} {name}" for tag, name in events if tag != "g")
         wall = time.perf_counter() - start
         tokens = sum(len(s_.output_ids) for i in ids for s_ in sched.pop_finished(i))
         print(f"{method}:{drafts}:{batch} steady x{waves} run {run}: {len(steps)} steps, "
               f"{wall * 1e3:.0f} ms, {tokens / wall:.0f} tokens/s, chains run op by op: "
               f"{len(eager)}")
         for kind in sorted({k for k, *_ in steps}):
-            ms = [m for k, *_, m in steps if k == kind]
+            ms = [m for k, *_, m, _ in steps if k == kind]
             print(f"   {kind:10s} {len(ms):4d} steps {sum(ms):8.1f} ms, median "
                   f"{statistics.median(ms):.2f}, max {max(ms):.1f}")
-        print("   slowest (kind, sequences, rows, ms):",
+        marked = [m for *_, m, e in steps if e]
+        print(f"   steps that compiled (c), autotuned (a) or captured a graph (g): {len(marked)}, "
+              f"{sum(marked):.1f} ms; kernels {sorted(named)[:12]}")
+        print("   slowest (kind, sequences, rows, ms, events):",
               sorted(steps, key=lambda x: -x[3])[:8])
+        print("   the rest's median by kind:", {
+            k: round(statistics.median(m for k_, *_, m, e in steps if k_ == k and not e), 2)
+            for k in {k_ for k_, *_, e in steps if not e}})
     sched.config = config
     llm.close()
 

@@ -594,7 +594,6 @@ def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint, monke
     pytest.importorskip("fla")
     import checkpoints
     from metrale.deploy.llm import LLM
-    from metrale.workers.batch import ForwardBatch
     from metrale.workers.models import gated_deltanet
     calls = []
     real = gated_deltanet._fla_chunk
@@ -602,20 +601,46 @@ def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint, monke
     model_dir = checkpoint("qwen3_5")
     llm = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="triton",
               cuda_graphs=False, block_size=16)
-    w = llm.worker
-    texts = ["def schedule(self, tokens): return [t for t in tokens if t] ",
-             "class Pool:\n    def take(self, n):\n        return self.free[:n] ",
-             "import os\nfor name in os.listdir('.'):\n    print(name) ", "x = [i * i for i in y] "]
-    prompts = [(llm.encode(t) * 100)[:length] for t in texts[:sequences]]
-    blocks = -(-length // 16)
-    batch = ForwardBatch.build([(ids, 0, list(range(i * blocks, (i + 1) * blocks)), i)
-                                for i, ids in enumerate(prompts)], 16, w.device, w.backend)
     assert (sequences * length >= gated_deltanet.FLA_CHUNK_MIN_ROWS) == chunked
-    logits = w.model.logits(w.model(batch, w.kv, w.ssm)[0]).cpu()
+    prompts, logits = _prefill(llm, sequences, length)
     assert bool(calls) == chunked
     for i, ids in enumerate(prompts):
         rows = logits[i * length:(i + 1) * length]
         assert rel_err(rows, checkpoints.reference_logits(model_dir, ids)) < 1e-2
+
+
+def _prefill(llm, sequences: int, length: int):
+    """Prefills `sequences` code-like prompts of `length` tokens in one forward on llm's worker
+    (from slot and block 0 on); returns the prompts and the logits of every row, on the CPU."""
+    from metrale.workers.batch import ForwardBatch
+    w = llm.worker
+    texts = ["def schedule(self, tokens): return [t for t in tokens if t] ",
+             "class Pool:\n    def take(self, n):\n        return self.free[:n] ",
+             "import os\nfor name in os.listdir('.'):\n    print(name) ", "x = [i * i for i in y] "]
+    prompts = [(llm.encode(texts[i % 4]) * 100)[:length] for i in range(sequences)]
+    blocks = -(-length // 16)
+    batch = ForwardBatch.build([(ids, 0, list(range(i * blocks, (i + 1) * blocks)), i)
+                                for i, ids in enumerate(prompts)], 16, w.device, w.backend)
+    return prompts, w.model.logits(w.model(batch, w.kv, w.ssm)[0]).cpu()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention runs on CUDA only")
+def test_fla_prefill_autotunes_once_for_any_number_of_prompts(checkpoint, monkeypatch):
+    """fla's autotuner keys some kernels by the batch size; the chunked prefill hands it one
+    variable-length sequence, so a step with a new count of prompts (as under steady load, where
+    prompts join as seats free up) benchmarks no configs again."""
+    pytest.importorskip("fla")
+    from triton.runtime.autotuner import Autotuner
+    from metrale.deploy.llm import LLM
+    llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="bfloat16", attention_backend="triton",
+              cuda_graphs=False, block_size=16)
+    _prefill(llm, 4, 256)
+    benched, bench = [], Autotuner._bench
+    monkeypatch.setattr(Autotuner, "_bench",
+                        lambda self, *a, **k: benched.append(self) or bench(self, *a, **k))
+    for sequences in (5, 7, 6):
+        _prefill(llm, sequences, 256)
+    assert not benched
 
 
 class _Replayed:

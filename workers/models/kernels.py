@@ -110,7 +110,12 @@ if triton is not None:
         v = tl.load(v_ptr + kv[:, None] + d[None, :], mask=mask[:, None] & d_ok[None, :], other=0.0)
         return k, v
 
-    @triton.jit
+    # Prefills run eagerly with layouts that change step by step: the per-sequence tensors are
+    # rows of one copy (their alignment follows the count of sequences) and the tables' width
+    # follows the longest context, so neither is specialised, or each new count or width
+    # compiled the kernel again, about 0.8 s inside a step under steady load (README).
+    @triton.jit(do_not_specialize=["tables_ptr", "q_start_ptr", "q_len_ptr", "ctx_ptr",
+                                   "stride_tb"])
     def _paged_attention_kernel(
             q_ptr, k_ptr, v_ptr, out_ptr, acc_ptr, m_ptr, l_ptr, tables_ptr, q_start_ptr,
             q_len_ptr, ctx_ptr, scale, heads, stride_qt, stride_qh, stride_kb, stride_ks,
@@ -582,7 +587,10 @@ if triton is not None:
         new = tl.load(rows_ptr + (pos - KM1) * stride_t + c, mask=ok & (pos >= KM1), other=0.0)
         return tl.where(pos < KM1, old, new.to(window_ptr.dtype.element_ty))
 
-    @triton.jit
+    # Not specialised on what follows a prefill's layout (as _paged_attention_kernel's): the
+    # slots are a row of one copy, the length and the batch stride follow the prompts.
+    @triton.jit(do_not_specialize=["slots_ptr", "keep_ptr", "offsets_ptr", "length",
+                                   "stride_xb"])
     def _causal_conv1d_kernel(x_ptr, w_ptr, window_ptr, slots_ptr, keep_ptr, offsets_ptr,
                               out_ptr, length, channels, stride_xb, stride_xt,
                               K: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
