@@ -624,6 +624,22 @@ def _prefill(llm, sequences: int, length: int):
     return prompts, w.model.logits(w.model(batch, w.kv, w.ssm)[0]).cpu()
 
 
+@pytest.mark.parametrize("n, length", [(1, 64), (2, 100), (5, 256), (7, 300)])
+def test_varlen_index_is_what_fla_would_build(n, length):
+    """The chunked prefill's cu_seqlens and chunk indices, made without a host sync: each
+    sequence's chunks of 64 rows in order, as fla's prepare_chunk_indices builds them."""
+    from metrale.workers.models.gated_deltanet import _varlen_index
+    ends, index = _varlen_index(n, length, torch.device(DEVICE))
+    chunks = -(-length // 64)
+    assert ends.tolist() == [i * length for i in range(n + 1)]
+    assert index.tolist() == [[s, c] for s in range(n) for c in range(chunks)]
+    try:
+        from fla.ops.utils.index import prepare_chunk_indices
+    except ImportError:
+        return
+    assert torch.equal(index, prepare_chunk_indices(ends, 64))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention runs on CUDA only")
 def test_fla_prefill_autotunes_once_for_any_number_of_prompts(checkpoint, monkeypatch):
     """fla's autotuner keys some kernels by the batch size; the chunked prefill hands it one
@@ -632,9 +648,9 @@ def test_fla_prefill_autotunes_once_for_any_number_of_prompts(checkpoint, monkey
     pytest.importorskip("fla")
     from triton.runtime.autotuner import Autotuner
     from metrale.deploy.llm import LLM
-    llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="bfloat16", attention_backend="triton",
+    llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="float32", attention_backend="triton",
               cuda_graphs=False, block_size=16)
-    _prefill(llm, 4, 256)
+    _prefill(llm, 4, 256)   # tunes (unless the test before did, in float32 as here)
     benched, bench = [], Autotuner._bench
     monkeypatch.setattr(Autotuner, "_bench",
                         lambda self, *a, **k: benched.append(self) or bench(self, *a, **k))

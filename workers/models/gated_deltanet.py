@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -170,13 +172,13 @@ class GatedDeltaNet(nn.Module):
         # the batch size) is the same for every prefill: keyed by B, each new count of prompts
         # in a step benchmarked its configs again, 0.7-2 s a step under steady load (README).
         n = mixed.shape[0]
-        ends = torch.arange(0, (n + 1) * length, length, dtype=torch.long)
-        flat = lambda t: t.flatten(0, 1).unsqueeze(0)
-        out, state = chunk(flat(q.repeat_interleave(rep, 2)), flat(k.repeat_interleave(rep, 2)),
-                           flat(v), flat(g), flat(beta.float()), scale=self.head_k_dim ** -0.5,
-                           initial_state=pool.state[layer, slots], output_final_state=True,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=ends.to(mixed.device),
-                           cu_seqlens_cpu=ends)
+        ends, index = _varlen_index(n, length, mixed.device)
+        out, state = chunk(*(t.flatten(0, 1).unsqueeze(0) for t in (
+                               q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g,
+                               beta.float())),
+                           scale=self.head_k_dim ** -0.5, initial_state=pool.state[layer, slots],
+                           output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           cu_seqlens=ends, chunk_indices=index, chunk_size=FLA_CHUNK)
         pool.state[layer, slots] = state
         return out.view(n, length, *out.shape[2:])
 
@@ -204,6 +206,20 @@ def _fla_chunk():
 # while 1024 rows took 37 against 32 ms (README, "Steady load").
 FLA_CHUNK_MIN_LEN = 64
 FLA_CHUNK_MIN_ROWS = 1024
+FLA_CHUNK = 64   # rows per chunk of fla's kernels
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_index(n: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's cu_seqlens [n + 1] and chunk_indices [chunks, 2] (each chunk's sequence, and its
+    place in it) for n sequences of `length` rows one after another, on the device. Made here
+    from host values and kept, so no prefill waits: fla would build the indices on the host and
+    copy them from pageable memory, a copy that waits for every kernel queued before it, in each
+    layer."""
+    chunks = -(-length // FLA_CHUNK)
+    ends = np.arange(n + 1, dtype=np.int64) * length
+    index = np.stack([np.repeat(np.arange(n), chunks), np.tile(np.arange(chunks), n)], 1)
+    return to_device(ends, device), to_device(index, device)
 
 
 def _groups(batch: ForwardBatch, device):
