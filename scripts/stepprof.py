@@ -1,7 +1,8 @@
 """Where an engine step's time goes on the bundled model, per phase (meant for a GPU; runs on CPU).
 
     python3 scripts/stepprof.py ngram:3:32 mtp:a3:1 none:0:64     # METHOD:DRAFTS:BATCH ...
-    python3 scripts/stepprof.py --steady 4 ngram:a7:32 none:0:32    # steady runs, per step
+    python3 scripts/stepprof.py --steady 4 ngram:a7:32 none:0:32    # steady runs, per step,
+                                                                    # compiles marked
 
 Each spec decodes BATCH held-out prompts together for 128 tokens with every round carrying
 DRAFTS drafts (adaptive draft length off), or with `aK` at most K drafts chosen by the draft
@@ -152,8 +153,10 @@ def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
     gpubench's steady_run with its budget of 16384 rows a step. Per step: its kind (prefill;
     prompt chunks mixed with decoding, where no graphs replay; decode; speculative round; chain
     of rounds; or a step that only read one launched before), the sequences and rows planned,
-    and its milliseconds between device syncs. Runs twice, the first compiling, and prints per
-    kind the steps, total and median ms, and the slowest 8 steps."""
+    and its milliseconds between device syncs, and what it compiled, autotuned or captured
+    (watch_compiles). Runs twice, the first compiling, and prints per kind the steps, total and
+    median ms, the steps that compiled and the kernels, the slowest 8 steps, and per kind the
+    median of the steps that did not compile."""
     llm = engine(method, drafts, max_num_batched_tokens=16384)   # gpubench's budget
     w, sched = llm.worker, llm.scheduler
     eager = []
