@@ -74,6 +74,8 @@ class DeviceDrafts:
 
 
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
+WARM_UP_KEYS = 4096   # the widest tables the warm-up's short prompts take: wider than any
+                      # whose width changes the attention's key ranges (kernels.attention_splits)
 CHAIN_ROUNDS = 8   # greedy n-gram rounds a plan chains on a graph worker (Worker._execute_chain)
 
 
@@ -551,14 +553,24 @@ class Worker:
         """Runs one eager prefill of up to `rows` rows (a dummy prompt in slot 0, over blocks
         no sequence holds yet, the slot's state cleared after), so that the kernels of the
         largest prefill step compile, and flash-linear-attention's autotune runs, before the
-        first request rather than inside it (56 s for the bundled model on an H200 in one run).
-        Returns the rows."""
+        first request rather than inside it (56 s for the bundled model on an H200 in one run);
+        then short prompts that compile the attention's other variants. Returns the rows."""
         bs = self.config.block_size
         rows = min(rows, self.model.config.max_position_embeddings - 1,
                    (self.kv.num_blocks - 1) * bs)
         if rows < 1:
             return 0
         self._forward(RowsLayout.of([([0] * rows, 0, list(range(-(-rows // bs))), 0)], bs))
+        # The attention kernel is compiled per rows per program (from the longest prompt's rows)
+        # and per number of key ranges (from the grid and the tables' width), about 0.9 s each
+        # on an H200 inside the step of the first prefill that meets them. Short prompts under
+        # tables of every width up to WARM_UP_KEYS meet them all.
+        blocks = 1
+        while blocks * bs <= WARM_UP_KEYS and blocks < self.kv.num_blocks:
+            for short in (64, 32, 16, 8, 4, 2, 1):
+                if short <= min(blocks * bs, rows):
+                    self._forward(RowsLayout.of([([0] * short, 0, list(range(blocks)), 0)], bs))
+            blocks *= 2
         if self.ssm is not None:
             self.ssm.reset([0])
         if self.device.type == "cuda":

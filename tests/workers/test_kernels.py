@@ -236,6 +236,13 @@ def test_greedy_accept_counts_what_greedy_verdict_finds(length):
     assert (index[:, pairs:] == -1).all()
 
 
+def _compiled(kernel):
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere (read: device_caches)")
+    return caches[torch.cuda.current_device()][0]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels: CUDA only")
 def test_greedy_accept_compiles_at_start_up_not_in_a_round():
     """capture_commits compiles the counting kernel for every verify length up to its
@@ -243,10 +250,7 @@ def test_greedy_accept_compiles_at_start_up_not_in_a_round():
     pool = SSMSlotPool(2, 9, 40, 4, 4, 32, 24, torch.float32, torch.device(DEVICE),
                        [8] * 8 + [1], use_kernels=True)
     pool.capture_commits([1, 2, 4, 8], spare_slot=8, max_length=9)
-    caches = getattr(kernels._greedy_accept_kernel, "device_caches", None)
-    if caches is None:
-        pytest.skip("this Triton keeps its compiled kernels elsewhere (read: device_caches)")
-    compiled = caches[torch.cuda.current_device()][0]
+    compiled = _compiled(kernels._greedy_accept_kernel)
     before = len(compiled)
     assert before == 4   # L_PAD 1, 2, 4 and 8
     for length in range(2, 10):
@@ -254,6 +258,43 @@ def test_greedy_accept_compiles_at_start_up_not_in_a_round():
             ids = torch.zeros(n * length, dtype=torch.long, device=DEVICE)
             pool.commit_greedy(ids, ids, [length - 1] * n, list(range(n)), length)
     assert len(compiled) == before
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels: CUDA only")
+def test_prefill_layouts_compile_no_new_attention_or_conv_variant():
+    """A prefill's per-sequence tensors are rows of one upload at offsets that follow the count
+    of prompts, its block tables' width follows the longest context, and the conv's length and
+    batch stride follow the prompts: none of these compiles the attention or conv kernel again
+    (each compile took about 0.8 s inside a serving step under steady load)."""
+    g = torch.Generator(DEVICE).manual_seed(0)
+    page, heads, kv_heads, dim, channels = 16, 8, 2, 64, 300
+    k_cache, v_cache = torch.randn(2, 400, page, kv_heads, dim, generator=g, device=DEVICE)
+    conv_w = torch.randn(channels, 1, 4, generator=g, device=DEVICE)
+    windows = torch.randn(40, channels, 3, generator=g, device=DEVICE)
+
+    def prefill(lengths, contexts, skip):
+        """One step's layout as the engine uploads it: `skip` values, then q_start, q_len,
+        context lengths and slots back to back in one int32 copy."""
+        n, width = len(lengths), max(-(-(c + m) // page) for c, m in zip(contexts, lengths))
+        starts = [sum(lengths[:i]) for i in range(n)]
+        upload = torch.tensor([7] * skip + starts + lengths + contexts + list(range(n)),
+                              dtype=torch.int32, device=DEVICE)
+        q_start, q_len, ctx, slots = upload[skip:].split(n)
+        tables = torch.randperm(400, generator=g, device=DEVICE)[:n * width].view(n, width)
+        q = torch.randn(sum(lengths), heads, dim, generator=g, device=DEVICE)
+        kernels.paged_attention(q, k_cache, v_cache, tables.int(), q_start, q_len, ctx,
+                                max(lengths), dim ** -0.5, splits=1)
+        x = torch.randn(n, max(lengths), channels + 5, generator=g, device=DEVICE)
+        kernels.causal_conv1d_update(x[..., :channels], conv_w, windows, slots)
+
+    prefill([64] * 4, [0] * 4, 0)
+    attention = _compiled(kernels._paged_attention_kernel)
+    conv = _compiled(kernels._causal_conv1d_kernel)
+    before = len(attention), len(conv)
+    for lengths, contexts, skip in [([64] * 5, [0] * 5, 1), ([80, 64, 65] * 2 + [99], [0] * 7, 3),
+                                    ([64] * 6, [130, 0, 17, 300, 0, 3], 5)]:
+        prefill(lengths, contexts, skip)
+    assert (len(attention), len(conv)) == before
 
 
 def verify_offsets(slot_ids, n_slots, length, first):
@@ -657,6 +698,20 @@ def test_fla_prefill_autotunes_once_for_any_number_of_prompts(checkpoint, monkey
     for sequences in (5, 7, 6):
         _prefill(llm, sequences, 256)
     assert not benched
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels: CUDA only")
+def test_warm_up_compiles_the_attention_of_any_prefill(checkpoint):
+    """After the start-up warm-up, prefills of any count and length of prompts (each count
+    spreading the keys over a different number of ranges) compile no attention variant."""
+    from metrale.deploy.llm import LLM
+    llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="bfloat16", attention_backend="triton",
+              cuda_graphs=False, block_size=16, max_num_batched_tokens=2048)
+    compiled = _compiled(kernels._paged_attention_kernel)
+    before = len(compiled)
+    for sequences, length in [(1, 500), (8, 256), (32, 64), (3, 40), (5, 17), (2, 5), (7, 3)]:
+        _prefill(llm, sequences, length)
+    assert len(compiled) == before
 
 
 class _Replayed:
