@@ -627,11 +627,13 @@ def test_gated_rms_norm_matches_the_module(dtype):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash-linear-attention runs on CUDA only")
-@pytest.mark.parametrize("sequences, length, chunked", [(4, 264, True), (1, 264, False)])
+@pytest.mark.parametrize("sequences, length, chunked",
+                         [(32, 264, True), (4, 264, False), (1, 264, False)])
 def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint, monkeypatch,
                                                                sequences, length, chunked):
-    """Prefill chunks of FLA_CHUNK_MIN_LEN rows or more, FLA_CHUNK_MIN_ROWS or more in all, go to
-    fla's chunked kernel; fewer rows run token by token. Both match transformers' logits."""
+    """Prefill chunks of FLA_CHUNK_MIN_LEN rows or more, FLA_CHUNK_MIN_ROWS or more in all (or
+    FLA_CHUNK_LONG, past this checkpoint's positions), go to fla's chunked kernel; the rest run
+    token by token. Both match transformers' logits."""
     pytest.importorskip("fla")
     import checkpoints
     from metrale.deploy.llm import LLM
@@ -642,7 +644,7 @@ def test_long_prefill_through_fla_matches_the_reference_logits(checkpoint, monke
     model_dir = checkpoint("qwen3_5")
     llm = LLM(model_dir, device=DEVICE, dtype="float32", attention_backend="triton",
               cuda_graphs=False, block_size=16)
-    assert (sequences * length >= gated_deltanet.FLA_CHUNK_MIN_ROWS) == chunked
+    assert gated_deltanet.fla_chunked(sequences, length) == chunked
     prompts, logits = _prefill(llm, sequences, length)
     assert bool(calls) == chunked
     for i, ids in enumerate(prompts):
@@ -689,6 +691,8 @@ def test_fla_prefill_autotunes_once_for_any_number_of_prompts(checkpoint, monkey
     pytest.importorskip("fla")
     from triton.runtime.autotuner import Autotuner
     from metrale.deploy.llm import LLM
+    from metrale.workers.models import gated_deltanet
+    monkeypatch.setattr(gated_deltanet, "FLA_CHUNK_MIN_ROWS", 1024)   # 4 to 7 prompts: chunked
     llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="float32", attention_backend="triton",
               cuda_graphs=False, block_size=16)
     _prefill(llm, 4, 256)   # tunes (unless the test before did, in float32 as here)

@@ -152,16 +152,15 @@ class GatedDeltaNet(nn.Module):
 
     def _mix_on_gpu(self, mixed, a, b, slots, pool, verify: bool):
         """The same in Triton, reading and writing the pool in place: the conv, then the
-        recurrence with its gates; long chunks without a verify, FLA_CHUNK_MIN_ROWS rows or more
-        in all, go to flash-linear-attention's chunked kernel when it is installed. Returns
+        recurrence with its gates; long chunks without a verify (see fla_chunked) go to
+        flash-linear-attention's chunked kernel when it is installed. Returns
         [B, L, value_heads, dv] in mixed's dtype."""
         layer, length = self.pool_index, mixed.shape[1]
         offsets = pool.offsets if verify else None
         conv = kernels.causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
                                             pool.verify_conv[layer] if verify else None, offsets)
         q, k, v = self._heads(conv)
-        chunk = (_fla_chunk() if not verify and length >= FLA_CHUNK_MIN_LEN
-                 and mixed.shape[0] * length >= FLA_CHUNK_MIN_ROWS else None)
+        chunk = _fla_chunk() if not verify and fla_chunked(mixed.shape[0], length) else None
         if chunk is None:
             return kernels.gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias,
                                             pool.state[layer], slots,
@@ -199,14 +198,22 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-# Shorter chunks (decode, verify, short prefill) run token by token in kernels.gated_delta_rule;
-# so do sets of chunks with fewer rows in all. flash-linear-attention's chunked kernel costs about
-# 2 ms of host time per layer (some 15 launches through its autotuner), so on the H200 a single
-# 256-row prompt of the Qwen3.5-2B shape prefilled in 16 ms token by token against 42 ms chunked,
-# while 1024 rows took 37 against 32 ms (README, "Steady load").
-FLA_CHUNK_MIN_LEN = 64
-FLA_CHUNK_MIN_ROWS = 1024
+# flash-linear-attention's chunked kernel costs about 2 ms of host time per layer (some 15
+# launches through its autotuner), while token by token a step's time follows its longest chunk
+# until the GPU fills up. On the H200 (README, "Prefill steps token by token"), the Qwen3.5-2B
+# shape prefilled 4 prompts of 256 rows in 23 ms token by token against 37 ms chunked, one of
+# 1024 rows in 21 against 35, and broke even at 8192 rows in all; one prompt of 4096 rows took
+# 94 against 55. Decode, verify and other prefills run token by token (kernels.gated_delta_rule).
+FLA_CHUNK_MIN_LEN = 64     # rows a chunk needs for fla's kernel at all
+FLA_CHUNK_LONG = 2048      # a chunk this long goes to it
+FLA_CHUNK_MIN_ROWS = 8192  # and so do a step's chunks of this many rows in all
 FLA_CHUNK = 64   # rows per chunk of fla's kernels
+
+
+def fla_chunked(sequences: int, length: int) -> bool:
+    """Whether a prefill of `sequences` chunks of `length` rows runs fla's chunked kernel."""
+    return length >= FLA_CHUNK_MIN_LEN and (length >= FLA_CHUNK_LONG
+                                            or sequences * length >= FLA_CHUNK_MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=256)
