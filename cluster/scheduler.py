@@ -44,6 +44,8 @@ class SchedulerConfig:
     decode_steps: int | None = None     # without drafts, decode steps a plan runs in a row;
                                         # None: UNSTREAMED_DECODE_STEPS for requests not
                                         # streamed on a worker without CUDA graphs, else 1
+    prefill_gather: float = 1.0         # on a graph worker, the longest a prompt waits for
+                                        # company, in prefill steps' times (`_prefill_due`)
 
 
 class Scheduler:
@@ -78,6 +80,9 @@ class Scheduler:
         # prompts have waited for one while others decode (`_prefill_due`).
         self.prefill_times: deque[float] = deque(maxlen=16)
         self.deferred_since: float | None = None
+        # Seat-seconds that free seats have stood empty while prompts waited for them, since
+        # deferred_since; the seats empty at the last look, and when that was.
+        self.idle_seat_s, self.idle_seats, self.idle_at = 0.0, 0, 0.0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -181,7 +186,13 @@ class Scheduler:
         start by then. A prompt in mid-prefill, nothing to decode, or a full step's rows
         waiting make it due at once. A prefill step's cost is the least of the recent ones:
         what a step costs however few rows it has (what gathering saves), without a step that
-        compiled kernels."""
+        compiled kernels.
+
+        With `prefill_gather` g > 1 the wait may run on to g such times, for throughput: a
+        prefill step stalls every running sequence for its time, while waiting leaves only the
+        free seats empty. The step is then due once the seat-seconds left empty meanwhile reach
+        the running sequences times the step's time (a lone prompt beside many running waits
+        the longest; seats freeing in numbers end the wait sooner)."""
         if not self.waiting:
             self.deferred_since = None
             return any(s.num_pending > 1 for s in self.running)
@@ -189,14 +200,20 @@ class Scheduler:
                 or not any(s.num_pending == 1 for s in self.running) or self._a_step_waits()):
             return True
         if self.deferred_since is None:
-            self.deferred_since = now
-        return now - self.deferred_since >= min(self.prefill_times)
+            self.deferred_since, self.idle_seat_s, self.idle_seats = now, 0.0, 0
+        self.idle_seat_s += self.idle_seats * (now - self.idle_at)
+        self.idle_seats, self.idle_at = min(self._free_seats(), len(self.waiting)), now
+        waited, step = now - self.deferred_since, min(self.prefill_times)
+        return waited >= step and (waited >= self.config.prefill_gather * step
+                                   or self.idle_seat_s >= len(self.running) * step)
+
+    def _free_seats(self) -> int:
+        return max(min(self.config.max_num_seqs - len(self.running), self.slots.num_free), 0)
 
     def _a_step_waits(self) -> bool:
         """Whether the prompts that could start now (one per free seat) fill a step's rows."""
-        seats = min(self.config.max_num_seqs - len(self.running), self.slots.num_free)
         rows = 0
-        for seq in itertools.islice(self.waiting, max(seats, 0)):
+        for seq in itertools.islice(self.waiting, self._free_seats()):
             rows += seq.num_tokens
             if rows >= self.config.max_num_batched_tokens:
                 return True

@@ -93,6 +93,12 @@ class MetraleConfig(BaseModel):
                                      "exchange a plan every that many tokens; tokens then stream "
                                      "that many at a time. Default: 4 for requests not streamed "
                                      "on a CPU worker, else 1.")
+    prefill_gather: float = Field(1.0, ge=1.0, le=64.0, description="On a GPU worker, the "
+                                  "longest a prompt that finds a free seat waits for others to "
+                                  "prefill with, in prefill steps' times (1: one step's time). "
+                                  "Above 1 it waits on until the seats left empty cost what a "
+                                  "prefill step stalls the running sequences: more throughput "
+                                  "under steady load, later first tokens.")
 
     # -- the cluster
     replicas: int = Field(1, ge=1, description="Model replicas (data parallel); each has its own "
@@ -213,7 +219,8 @@ class MetraleConfig(BaseModel):
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
                                self.prefix_caching, adaptive_drafts=self.adaptive_drafts,
                                steps_in_flight=self.steps_in_flight,
-                               plan_ahead=self.plan_ahead, decode_steps=self.decode_steps)
+                               plan_ahead=self.plan_ahead, decode_steps=self.decode_steps,
+                               prefill_gather=self.prefill_gather)
 
     def replica_spec(self, cluster_gpus: float) -> ReplicaSpec:
         gpus = self.gpus_per_worker if self.gpus_per_worker is not None else float(cluster_gpus > 0)

@@ -42,7 +42,15 @@ from metrale.workers.ssm_pool import SSMSlotPool
 SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-2b": QWEN3_5_2B}
 SMALL_SHAPES = {"qwen3-8b": QWEN3_SMALL, "qwen3.5-2b": QWEN3_5_SMALL}
 MAX_VERIFY = 15                     # the deepest verify timed (rows = k + 1)
-METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?")    # ngram, ngram@7 (at most 7), ngram=3 (always 3)
+# ngram, ngram@7 (at most 7 drafts), ngram=3 (always 3); a /gG tail: prefill_gather G (mtp/g4)
+METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?(?:/g(\d+(?:\.\d+)?))?")
+
+
+def method_options(spec: str) -> dict:
+    """The LLM arguments a --methods entry names."""
+    method, how, k, gather = METHOD.fullmatch(spec).groups()
+    return {"speculative_method": method, "num_drafts": int(k) if k else None,
+            "adaptive_drafts": how != "=", "prefill_gather": float(gather) if gather else 1.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="none,mtp,dflash,ngram",
                    help="proposers timed on the bundled model or a given directory ('none': "
                         "plain; 'ngram@7': at most 7 drafts a round instead of the default; "
-                        "'ngram=3': exactly 3 every round, no adaptive draft length)")
+                        "'ngram=3': exactly 3 every round, no adaptive draft length; a '/g4' "
+                        "tail: prefill_gather=4, as 'mtp/g4')")
     p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
     p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
@@ -230,16 +239,15 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     top = max(args.batch_sizes)
     engines = {}
     for spec in methods:
-        method, how, k = METHOD.fullmatch(spec).groups()
+        chosen = method_options(spec)
         engines[spec] = LLM(
             model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
             kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
                                            args.prompt_len + args.new_tokens + MAX_VERIFY),
             # prefill in steps of at most 16K tokens bounds activation memory at batch 64
             max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
-            speculative_method=method, num_drafts=int(k) if k else None,
-            adaptive_drafts=how != "=",
-            drafter=drafter if method == "dflash" else None, **options)
+            drafter=drafter if chosen["speculative_method"] == "dflash" else None,
+            **chosen, **options)
     out: dict[str, dict] = {spec: {} for spec in methods}
     for b in args.batch_sizes:
         for llm in engines.values():
@@ -620,7 +628,8 @@ def run(args) -> int:
     args.methods = [m for m in args.methods.split(",") if m]
     for m in args.methods:
         if not METHOD.fullmatch(m):
-            raise SystemExit(f"--methods: {m!r} is not METHOD, METHOD@K or METHOD=K")
+            raise SystemExit(f"--methods: {m!r} is not METHOD, METHOD@K or METHOD=K, each "
+                             "with an optional /gG (prefill_gather G)")
     if args.steady_waves < 0:
         raise SystemExit(f"--steady-waves: {args.steady_waves} is below 0 (0 turns steady runs off)")
     args.new_tokens = args.new_tokens or (16 if args.small else 128)

@@ -490,6 +490,47 @@ def test_a_graph_worker_gathers_prompts_arriving_one_by_one_into_one_prefill_ste
     assert s.deferred_since is None and list(s.prefill_times) == [0.010, 0.001, 0.001]
 
 
+@pytest.mark.parametrize("gather, running, arrivals, due", [
+    (1, 3, 1, 10),   # one prefill step's time, whatever else runs
+    (4, 3, 1, 30),   # 1 empty seat x 30 ms = 3 running x 10 ms
+    (2, 3, 1, 20),   # the same, cut at 2 steps' time
+    (4, 2, 2, 10),   # 2 empty seats x 10 ms = 2 running x 10 ms
+])
+def test_prefill_gather_waits_until_empty_seats_cost_what_a_prefill_step_stalls(
+        checkpoint, gather, running, arrivals, due):
+    """With prefill_gather g, prompts that find free seats wait until the seat-seconds left empty
+    reach the running sequences times a prefill step's time (10 ms here), at least one step's
+    time and at most g of them."""
+    from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
+    from metrale.cluster.scheduler import Scheduler
+    capacity = WorkerCapacity(num_blocks=64, block_size=4, num_slots=4, max_model_len=64,
+                              vocab_size=384, eos_token_ids=(0,), hybrid=False, graphs=True)
+    s = Scheduler(SchedulerConfig(prefix_caching=False, plan_ahead=False, max_num_seqs=4,
+                                  max_num_batched_tokens=64, prefill_gather=gather),
+                  capacity, load_tokenizer(checkpoint("qwen3")))
+    ms = 1 / 1024   # a binary fraction, so the sums of step times are exact
+    now = [0.0]
+    s.clock = lambda: now[0]
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    def step(took: float) -> bool:
+        plan = s.schedule()
+        now[0] += took
+        s.update(plan, StepResult([SeqOutcome(w.seq_id, [9]) for w in plan.work if w.sample],
+                                  forward_s=took))
+        return plan.prefill
+
+    for i in range(running):
+        s.add_request(f"r{i}", [5] * 6, params)
+    assert step(10 * ms)                                   # nothing decodes: at once, measured
+    for i in range(arrivals):
+        s.add_request(f"a{i}", [6] * 6, params)
+    waited = 0
+    while not step(ms):
+        waited += 1
+    assert waited == due and len(s.running) == running + arrivals
+
+
 def test_an_admission_hashes_the_prompt_once(checkpoint):
     """The admission test and the allocation share one walk of the prompt's prefix hashes."""
     from metrale.cluster.plan import WorkerCapacity
