@@ -74,8 +74,6 @@ class DeviceDrafts:
 
 
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
-WARM_UP_KEYS = 4096   # the widest tables the warm-up's short prompts take: wider than any
-                      # whose width changes the attention's key ranges (kernels.attention_splits)
 CHAIN_ROUNDS = 8   # greedy n-gram rounds a plan chains on a graph worker (Worker._execute_chain)
 
 
@@ -561,21 +559,26 @@ class Worker:
         if rows < 1:
             return 0
         self._forward(RowsLayout.of([([0] * rows, 0, list(range(-(-rows // bs))), 0)], bs))
-        # The attention kernel is compiled per rows per program (from the longest prompt's rows)
-        # and per number of key ranges (from the grid and the tables' width), about 0.9 s each
-        # on an H200 inside the step of the first prefill that meets them. Short prompts under
-        # tables of every width up to WARM_UP_KEYS meet them all.
-        blocks = 1
-        while blocks * bs <= WARM_UP_KEYS and blocks < self.kv.num_blocks:
-            for short in (64, 32, 16, 8, 4, 2, 1):
-                if short <= min(blocks * bs, rows):
-                    self._forward(RowsLayout.of([([0] * short, 0, list(range(blocks)), 0)], bs))
-            blocks *= 2
+        if self.backend == "triton":
+            self._warm_up_attention(rows)
         if self.ssm is not None:
             self.ssm.reset([0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return rows
+
+    def _warm_up_attention(self, rows: int) -> None:
+        """The Triton attention kernel is compiled per rows per program (from the longest
+        prompt's rows) and per number of key ranges (from the grid and the tables' width), about
+        0.9 s each on an H200 inside the step of the first prefill that meets them. Prompts of 1
+        to 64 rows (at most `rows`) under tables of every width up to kernels.split_keys() meet
+        them all."""
+        bs, blocks = self.config.block_size, 1
+        while blocks * bs <= kernels.split_keys() and blocks < self.kv.num_blocks:
+            for short in (64, 32, 16, 8, 4, 2, 1):
+                if short <= min(blocks * bs, rows):
+                    self._forward(RowsLayout.of([([0] * short, 0, list(range(blocks)), 0)], bs))
+            blocks *= 2
 
     @torch.inference_mode()
     def time_forward(self, batch_size: int, rows: int, context_len: int, iters: int = 20) -> float:

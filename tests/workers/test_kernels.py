@@ -156,6 +156,21 @@ def test_attention_splits_keep_ranges_of_min_range_blocks(monkeypatch):
     assert kernels.attention_splits(8, 255, 64, device) == 1
 
 
+@pytest.mark.parametrize("min_range_blocks", [1, 4])
+def test_tables_of_split_keys_meet_every_number_of_ranges(monkeypatch, min_range_blocks):
+    """For any grid, tables of a power of two of 16-key blocks up to split_keys() take every
+    number of key ranges any wider table takes (the warm-up compiles each such variant)."""
+    monkeypatch.setattr(kernels, "MIN_RANGE_BLOCKS", min_range_blocks)
+    device, widest = torch.device(DEVICE), kernels.split_keys()
+    for block_n in (32, 64):
+        for programs in range(1, 300):
+            warmed = {kernels.attention_splits(programs, 16 << i, block_n, device)
+                      for i in range(widest.bit_length()) if 16 << i <= widest}
+            every = {kernels.attention_splits(programs, keys, block_n, device)
+                     for keys in range(16, 64 * widest, 16)}
+            assert warmed == every, (block_n, programs)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_put(dtype):
     """Strided k and v rows land in their slots; every other slot keeps its value."""

@@ -687,6 +687,12 @@ def attention_splits(programs: int, max_keys: int, block_n: int, device: torch.d
     return splits
 
 
+def split_keys() -> int:
+    """The widest block tables, in keys, whose width still changes what attention_splits gives
+    some grid (block_n is at most 64): a wider table takes the same ranges."""
+    return MAX_SPLITS * MIN_RANGE_BLOCKS * 64
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                     context_lens: torch.Tensor, max_q_len: int, scale: float,
