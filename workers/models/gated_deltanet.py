@@ -203,7 +203,8 @@ def _fla_chunk():
 # until the GPU fills up. On the H200 (README, "Latest full bench: commit 816c4b0"), the
 # Qwen3.5-2B shape prefilled 4 prompts of 256 rows in 23 ms token by token against 37 ms
 # chunked, one of 1024 rows in 21 against 34, and broke even at 8192 rows in all; one prompt of
-# 4096 rows took 94 against 55. Decode, verify and other prefills run token by token (kernels.gated_delta_rule).
+# 4096 rows took 94 against 55. Decode, verify and other prefills run token by token
+# (kernels.gated_delta_rule).
 FLA_CHUNK_MIN_LEN = 64     # rows a chunk needs for fla's kernel at all
 FLA_CHUNK_LONG = 2048      # a chunk this long goes to it
 FLA_CHUNK_MIN_ROWS = 8192  # and so do a step's chunks of this many rows in all
