@@ -89,6 +89,16 @@ def test_decode_steps_reach_the_scheduler_and_are_bounded(tmp_path, checkpoint):
             MetraleConfig.validated({"decode_steps": bad})
 
 
+def test_prefill_gather_reaches_the_scheduler_and_is_bounded(tmp_path, checkpoint):
+    path = tmp_path / "gather.yaml"
+    path.write_text(f"model: {checkpoint('qwen3')}\nprefill_gather: 4\n")
+    assert MetraleConfig.from_yaml(path).scheduler_config().prefill_gather == 4.0
+    assert MetraleConfig().scheduler_config().prefill_gather == 1.0
+    for bad in (0.5, 65, "soon"):
+        with pytest.raises(ConfigError, match="prefill_gather"):
+            MetraleConfig.validated({"prefill_gather": bad})
+
+
 def test_cluster_resources_decide_the_worker_device(checkpoint):
     config = MetraleConfig(model=str(checkpoint("qwen3")), workers_per_replica=2)
     on_cpu = config.replica_spec(cluster_gpus=0)
