@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -71,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steady-waves", type=int, default=4,
                    help="also run this many batches' worth of requests through at most B "
                         "sequences at a time, as under steady serving load (0: not)")
+    p.add_argument("--steady-spread", type=float, default=0.5,
+                   help="steady runs: each request's max_tokens spread evenly over new tokens x "
+                        "(1 +- this), the same for every method, so sequences finish at different "
+                        "steps as in real traffic (0: all alike)")
     p.add_argument("--iters", type=int, default=20,
                    help="timed forwards per forward-cost figure in each of its FORWARD_TURNS turns")
     p.add_argument("--repeat", type=int, default=3,
@@ -202,17 +207,27 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             "spec": stats.as_dict(), "draft_policy": sched.drafts.as_dict()}
 
 
-def steady_run(llm: LLM, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
-    """Greedy decoding of every prompt with at most `batch` sequences running at once (the
-    scheduler's max_num_seqs for this run): as one finishes, the next request is admitted, as
-    in serving under steady load. Timed from the first step to the last, the later requests'
-    prefills included; tokens/s counts every token emitted."""
+def steady_lengths(count: int, new_tokens: int, spread: float) -> list[int]:
+    """max_tokens of a steady run's `count` requests: evenly spaced over new_tokens x (1 +-
+    spread), so their mean is new_tokens, in an order shuffled the same way for every method."""
+    lo, hi = new_tokens * (1 - spread), new_tokens * (1 + spread)
+    lengths = [max(1, round(lo + (hi - lo) * i / max(count - 1, 1))) if count > 1 else new_tokens
+               for i in range(count)]
+    random.Random(count).shuffle(lengths)
+    return lengths
+
+
+def steady_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[int]) -> dict:
+    """Greedy decoding of every prompt, for its `lengths` tokens, with at most `batch` sequences
+    running at once (the scheduler's max_num_seqs for this run): as one finishes, the next
+    request is admitted, as in serving under steady load. Timed from the first step to the last,
+    the later requests' prefills included; tokens/s counts every token emitted."""
     sched = llm.scheduler
     config = sched.config
     sched.config = replace(config, max_num_seqs=batch)
     try:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        ids = [llm.add_request(p, params) for p in prompts]
+        ids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+               for p, n in zip(prompts, lengths)]
         sched.stats = SpecStats()
         steps, start = 0, time.perf_counter()
         while llm.has_work:
@@ -237,13 +252,15 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     `args.steady_waves`, each turn also runs steady_run over that many batches' worth of prompts,
     whose median goes in beside the batch's."""
     top = max(args.batch_sizes)
+    longest = round(args.new_tokens * (1 + args.steady_spread)) if args.steady_waves else 0
     engines = {}
     for spec in methods:
         chosen = method_options(spec)
         engines[spec] = LLM(
             model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
             kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
-                                           args.prompt_len + args.new_tokens + MAX_VERIFY),
+                                           args.prompt_len + max(args.new_tokens, longest)
+                                           + MAX_VERIFY),
             # prefill in steps of at most 16K tokens bounds activation memory at batch 64
             max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
             drafter=drafter if chosen["speculative_method"] == "dflash" else None,
@@ -258,8 +275,10 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
             for spec, llm in engines.items():
                 runs[spec].append(decode_run(llm, prompts[:b], args.new_tokens))
                 if args.steady_waves:
-                    steady[spec].append(steady_run(llm, prompts[:b * args.steady_waves], b,
-                                                   args.new_tokens))
+                    count = b * args.steady_waves
+                    steady[spec].append(steady_run(
+                        llm, prompts[:count], b,
+                        steady_lengths(count, args.new_tokens, args.steady_spread)))
         for spec, these in runs.items():
             turns = [r["tokens_per_s"] for r in these]   # in the order run: turn t of every
             these.sort(key=lambda r: r["tokens_per_s"])  # method ran back to back
@@ -554,7 +573,9 @@ def format_report(report: dict) -> str:
                     if b in runs else " " * 17 for b in sizes))
             if "none" in eng:
                 waves = m.get("steady_waves", report.get("steady_waves"))   # per model if merged
-                steady = f"   (steady: {waves}B requests, at most B running)"
+                spread = m.get("steady_spread", report.get("steady_spread")) or 0
+                steady = (f"   (steady: {waves}B requests of {m.get('new_tokens')} +-"
+                          f"{spread:.0%} tokens, at most B running)")
                 for key, note in (("tokens_per_s", ""),
                                   ("full_batch_tokens_per_s", "   (until the first sequence finished)"),
                                   ("steady_tokens_per_s", steady)):
@@ -632,6 +653,8 @@ def run(args) -> int:
                              "with an optional /gG (prefill_gather G)")
     if args.steady_waves < 0:
         raise SystemExit(f"--steady-waves: {args.steady_waves} is below 0 (0 turns steady runs off)")
+    if not 0 <= args.steady_spread < 1:
+        raise SystemExit(f"--steady-spread: {args.steady_spread} is not in [0, 1)")
     args.new_tokens = args.new_tokens or (16 if args.small else 128)
     options = {}
     if args.attention_backend:
@@ -655,13 +678,15 @@ def run(args) -> int:
         earlier = int_keys(json.loads(Path(path).read_text()))
         for name, m in earlier["models"].items():
             models[name] = {"commit": earlier["commit"], "date": earlier["date"],
-                            "steady_waves": earlier.get("steady_waves"), **m}
+                            "steady_waves": earlier.get("steady_waves"),
+                            "steady_spread": earlier.get("steady_spread", 0.0), **m}
     for name in [m for m in args.models.split(",") if m]:
         t = time.perf_counter()
         models[name] = bench_model(name, args, options, bandwidth)
         models[name]["seconds"] = round(time.perf_counter() - t, 1)
         models[name]["commit"] = commit
         models[name]["steady_waves"] = args.steady_waves
+        models[name]["steady_spread"] = args.steady_spread
         note(f"{name}: done in {models[name]['seconds']}s")
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -672,7 +697,7 @@ def run(args) -> int:
                            "cuda_graphs": options.get("cuda_graphs", True),
                            "few_rows": kernels.FEW},
         "bandwidth_bytes_per_s": bandwidth, "copy_bytes": copy_size,
-        "steady_waves": args.steady_waves,
+        "steady_waves": args.steady_waves, "steady_spread": args.steady_spread,
         "seconds": round(time.perf_counter() - start, 1), "models": models}
     report["targets"] = targets(models)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metrale.deploy.cli import main
-from metrale.deploy.gpubench import git_commit, weight_bytes
+from metrale.deploy.gpubench import git_commit, steady_lengths, weight_bytes
 from metrale.deploy.random_checkpoint import QWEN3_5_SMALL, hf_config, write_random_checkpoint
 
 
@@ -51,9 +51,10 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 assert 0 < run["full_batch_s"] <= run["wall_s"]
                 assert 0 < run["full_batch_steps"] <= run["steps"]
                 assert method != "none" or run["full_batch_steps"] == run["steps"]
-                # steady: 4B requests of 12 tokens, at most B sequences (so tokens) a step
+                # steady: 4B requests of 12 +- 50% tokens, at most B sequences (so tokens) a step
                 b = int(size)
-                assert run["steady_requests"] == 4 * b and run["steady_tokens"] == 4 * b * 12
+                assert run["steady_requests"] == 4 * b
+                assert run["steady_tokens"] == sum(steady_lengths(4 * b, 12, 0.5))
                 assert run["steady_tokens_per_s"] > 0
                 assert method != "none" or run["steady_steps"] >= 4 * 12
                 proposed = run["spec"]["drafts_proposed"]
@@ -131,6 +132,21 @@ def test_a_bad_method_spec_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match=r"--methods: 'ngram@x' is not METHOD, METHOD@K or METHOD=K"):
         main(["bench", "--small", "--device", "cpu", "--methods", "none,ngram@x",
               "--out", str(tmp_path)])
+
+
+def test_steady_requests_spread_their_lengths_evenly_around_the_mean():
+    """Steady runs' requests end at different steps, as real traffic does (with one length for
+    all, plain decoding's batch ended in one step and its next prompts prefilled together,
+    while speculation's, ending round by round, came in small prefill steps)."""
+    lengths = steady_lengths(128, 128, 0.5)
+    assert sorted(lengths) == [round(64 + 128 * i / 127) for i in range(128)]
+    assert min(lengths) == 64 and max(lengths) == 192 and sum(lengths) == 128 * 128
+    assert lengths != sorted(lengths)                      # shuffled...
+    assert lengths == steady_lengths(128, 128, 0.5)        # ...alike for every method
+    assert steady_lengths(8, 12, 0.0) == [12] * 8
+    assert steady_lengths(1, 12, 0.5) == [12]
+    with pytest.raises(SystemExit, match=r"--steady-spread: 1.0 is not in \[0, 1\)"):
+        main(["bench", "--small", "--device", "cpu", "--steady-spread", "1", "--out", "/tmp"])
 
 
 def test_a_negative_steady_waves_is_refused(tmp_path):
