@@ -8,7 +8,7 @@
 # Each shard takes every SHARDS-th test (default 4) of the files below, or of the pytest args
 # given, and writes LOGDIR/shard-K.log (LOGDIR defaults to a new temporary folder). With LIMIT
 # (seconds), a shard still running then is interrupted, so the script ends in time inside a
-# device call (no shard left running beside what the call does next) and still says what ran.
+# device call and still says what ran.
 # It prints each shard's last line, then the tests' outcomes counted (LOGDIR/outcomes: one
 # "OUTCOME test-id" line per test; NOT-REACHED for one a stopped shard never ran) and the tests
 # that failed or were not reached. Exits non-zero if any failed or was not reached, or nothing
