@@ -134,7 +134,7 @@ def test_a_bad_method_spec_is_refused_by_name(tmp_path):
               "--out", str(tmp_path)])
 
 
-def test_steady_requests_spread_their_lengths_evenly_around_the_mean():
+def test_steady_requests_spread_their_lengths_evenly_around_the_mean(tmp_path):
     """Steady runs' requests end at different steps, as real traffic does (with one length for
     all, plain decoding's batch ended in one step and its next prompts prefilled together,
     while speculation's, ending round by round, came in small prefill steps)."""
@@ -146,7 +146,7 @@ def test_steady_requests_spread_their_lengths_evenly_around_the_mean():
     assert steady_lengths(8, 12, 0.0) == [12] * 8
     assert steady_lengths(1, 12, 0.5) == [12]
     with pytest.raises(SystemExit, match=r"--steady-spread: 1.0 is not in \[0, 1\)"):
-        main(["bench", "--small", "--device", "cpu", "--steady-spread", "1", "--out", "/tmp"])
+        main(["bench", "--small", "--device", "cpu", "--steady-spread", "1", "--out", str(tmp_path)])
 
 
 def test_a_negative_steady_waves_is_refused(tmp_path):
