@@ -237,9 +237,10 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:   # preempted earlier in this loop
                 continue
-            n = min(seq.num_pending, budget)
-            k = self._drafts_for(seq, k_round, budget - 1) if seq.num_pending == 1 else 0
-            steps = self._decode_steps(seq, 0) if seq.num_pending == 1 and not k else 1
+            pending = seq.num_pending
+            n = min(pending, budget)
+            k = self._drafts_for(seq, k_round, budget - 1) if pending == 1 else 0
+            steps = self._decode_steps(seq, 0) if pending == 1 and not k else 1
             end = seq.num_computed + n + k + steps - 1   # tokens in the caches after the plan
             fits = self.blocks.can_append(seq.block_table, end)
             while not fits and not prefill_only:
@@ -528,9 +529,9 @@ class Scheduler:
                     break
                 taken += self._append_tokens(seq, [token])
             return taken
-        tokens = tokens[:max(self._tokens_left(seq), 1)]
-        stops = set(p.stop_token_ids) if p.ignore_eos else {*p.stop_token_ids,
-                                                            *self.capacity.eos_token_ids}
+        left = self._tokens_left(seq)
+        tokens = tokens[:max(left, 1)]
+        stops = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.capacity.eos_token_ids
         end = next((i for i, t in enumerate(tokens) if t in stops), None) if stops else None
         if end is not None:   # the stop token's text is not part of the completion
             seq.output_ids.extend(tokens[:end + 1])
@@ -538,7 +539,7 @@ class Scheduler:
             self._finish(seq, "stop")
             return end + 1
         seq.output_ids.extend(tokens)
-        at_length = self._tokens_left(seq) <= 0
+        at_length = left - len(tokens) <= 0
         if seq.streamed or p.stop or at_length:   # else no one reads the text before the end
             seq.text += seq.detokenizer.step(seq.output_ids, final=at_length)
         if p.stop and self._cut_at_stop_string(seq):
