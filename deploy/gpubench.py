@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="steady runs: each request's max_tokens spread evenly over new tokens x "
                         "(1 +- this), the same for every method, so sequences finish at different "
                         "steps as in real traffic (0: all alike)")
+    p.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="also run the steady runs' requests arriving at random (Poisson) at this "
+                        "many per second per seat (x B), and time each one's first token from "
+                        "its arrival (0: not)")
     p.add_argument("--iters", type=int, default=20,
                    help="timed forwards per forward-cost figure in each of its FORWARD_TURNS turns")
     p.add_argument("--repeat", type=int, default=3,
@@ -243,6 +247,54 @@ def steady_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[int
                                               if sched.stats.rounds else None)}
 
 
+def arrival_times(count: int, rate: float) -> list[float]:
+    """Seconds after the start at which `count` requests arrive, at random at `rate` a second
+    (exponential gaps), the same for every method."""
+    rng, now, times = random.Random(count), 0.0, []
+    for _ in range(count):
+        now += rng.expovariate(rate)
+        times.append(now)
+    return times
+
+
+def arrival_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[int],
+                arrivals: list[float]) -> dict:
+    """Greedy decoding of every prompt, for its `lengths` tokens, each request added when its
+    arrival time has passed, with at most `batch` sequences running: a serving load below or
+    near capacity, where the time to a request's first token (from its arrival) shows what the
+    scheduler makes prompts wait (prefill steps gathered, `prefill_gather`). Timed from the
+    start to the last token."""
+    sched = llm.scheduler
+    config = sched.config
+    sched.config = replace(config, max_num_seqs=batch)
+    first: dict[str, float] = {}
+    ids: list[str] = []
+    try:
+        steps, start = 0, time.perf_counter()
+        while len(ids) < len(prompts) or llm.has_work:
+            now = time.perf_counter() - start
+            while len(ids) < len(prompts) and arrivals[len(ids)] <= now:
+                i = len(ids)
+                ids.append(llm.add_request(prompts[i], SamplingParams(
+                    max_tokens=lengths[i], temperature=0, ignore_eos=True)))
+            if not llm.has_work:
+                time.sleep(max(0.0, arrivals[len(ids)] - now))
+                continue
+            for seq in llm.step():
+                first.setdefault(seq.request_id, time.perf_counter() - start)
+            steps += 1
+        wall = time.perf_counter() - start
+    finally:
+        sched.config = config
+    total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
+    waits = sorted(1000 * (first[i] - arrivals[n]) for n, i in enumerate(ids))
+    return {"arrival_requests_per_s": len(prompts) / arrivals[-1] if arrivals[-1] else None,
+            "arrival_tokens_per_s": total / wall if wall else 0.0, "arrival_tokens": total,
+            "arrival_steps": steps,
+            "arrival_ttft_p50_ms": waits[len(waits) // 2],
+            "arrival_ttft_p90_ms": waits[min(len(waits) - 1, len(waits) * 9 // 10)]}
+
+
 def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts, args,
                 options: dict) -> dict:
     """tokens/s per method per batch size. Every method's engine is built first; at each batch
@@ -252,7 +304,8 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     `args.steady_waves`, each turn also runs steady_run over that many batches' worth of prompts,
     whose median goes in beside the batch's."""
     top = max(args.batch_sizes)
-    longest = round(args.new_tokens * (1 + args.steady_spread)) if args.steady_waves else 0
+    longest = (round(args.new_tokens * (1 + args.steady_spread))
+               if args.steady_waves or args.arrival_rate else 0)
     engines = {}
     for spec in methods:
         chosen = method_options(spec)
@@ -271,14 +324,17 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
             decode_run(llm, prompts[:b], args.new_tokens)
         runs: dict[str, list] = {spec: [] for spec in methods}
         steady: dict[str, list] = {spec: [] for spec in methods}
+        arrived: dict[str, list] = {spec: [] for spec in methods}
+        count = b * max(args.steady_waves, 1)
+        lengths = steady_lengths(count, args.new_tokens, args.steady_spread)
         for _ in range(args.repeat):
             for spec, llm in engines.items():
                 runs[spec].append(decode_run(llm, prompts[:b], args.new_tokens))
                 if args.steady_waves:
-                    count = b * args.steady_waves
-                    steady[spec].append(steady_run(
-                        llm, prompts[:count], b,
-                        steady_lengths(count, args.new_tokens, args.steady_spread)))
+                    steady[spec].append(steady_run(llm, prompts[:count], b, lengths))
+                if args.arrival_rate:
+                    arrived[spec].append(arrival_run(llm, prompts[:count], b, lengths,
+                                                     arrival_times(count, args.arrival_rate * b)))
         for spec, these in runs.items():
             turns = [r["tokens_per_s"] for r in these]   # in the order run: turn t of every
             these.sort(key=lambda r: r["tokens_per_s"])  # method ran back to back
@@ -288,6 +344,9 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
             if steady[spec]:
                 steady[spec].sort(key=lambda r: r["steady_tokens_per_s"])
                 out[spec][b].update(steady[spec][len(steady[spec]) // 2])
+            if arrived[spec]:   # the turn of the median first-token time
+                arrived[spec].sort(key=lambda r: r["arrival_ttft_p50_ms"])
+                out[spec][b].update(arrived[spec][len(arrived[spec]) // 2])
     for llm in engines.values():
         release(llm)
     return out
@@ -582,6 +641,15 @@ def format_report(report: dict) -> str:
                     for meth, r in _speedups(eng, key).items():
                         lines.append(f"  {meth + ' / none':<12}" + "".join(
                             f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes) + note)
+            if any("arrival_ttft_p50_ms" in r for runs in eng.values() for r in runs.values()):
+                for meth, runs in eng.items():
+                    cells = [(r["arrival_ttft_p50_ms"], r["arrival_ttft_p90_ms"])
+                             if (r := runs.get(b)) and "arrival_ttft_p50_ms" in r else None
+                             for b in sizes]
+                    lines.append(f"  {meth + ' ttft':<12}" + "".join(
+                        f"{c[0]:>7.1f}/{c[1]:<7.1f}ms" if c else " " * 17 for c in cells)
+                        + f"   (arrivals at {m.get('arrival_rate')} a second per seat: "
+                        "first token p50/p90 from arrival)")
         for b, h in m.get("hf_generate", {}).items():
             lines.append(f"  transformers generate batch {b}: {h['tokens_per_s']:.1f} tokens/s "
                          f"({h['ms_per_step']:.1f} ms per step)")
@@ -653,6 +721,8 @@ def run(args) -> int:
                              "with an optional /gG (prefill_gather G)")
     if args.steady_waves < 0:
         raise SystemExit(f"--steady-waves: {args.steady_waves} is below 0 (0 turns steady runs off)")
+    if args.arrival_rate < 0:
+        raise SystemExit(f"--arrival-rate: {args.arrival_rate} is below 0 (0 turns arrivals off)")
     if not 0 <= args.steady_spread < 1:
         raise SystemExit(f"--steady-spread: {args.steady_spread} is not in [0, 1)")
     args.new_tokens = args.new_tokens or (16 if args.small else 128)
@@ -687,6 +757,7 @@ def run(args) -> int:
         models[name]["commit"] = commit
         models[name]["steady_waves"] = args.steady_waves
         models[name]["steady_spread"] = args.steady_spread
+        models[name]["arrival_rate"] = args.arrival_rate
         note(f"{name}: done in {models[name]['seconds']}s")
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -698,6 +769,7 @@ def run(args) -> int:
                            "few_rows": kernels.FEW},
         "bandwidth_bytes_per_s": bandwidth, "copy_bytes": copy_size,
         "steady_waves": args.steady_waves, "steady_spread": args.steady_spread,
+        "arrival_rate": args.arrival_rate,
         "seconds": round(time.perf_counter() - start, 1), "models": models}
     report["targets"] = targets(models)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

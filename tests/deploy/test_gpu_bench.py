@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metrale.deploy.cli import main
-from metrale.deploy.gpubench import git_commit, steady_lengths, weight_bytes
+from metrale.deploy.gpubench import arrival_times, git_commit, steady_lengths, weight_bytes
 from metrale.deploy.random_checkpoint import QWEN3_5_SMALL, hf_config, write_random_checkpoint
 
 
@@ -19,7 +19,7 @@ def test_bench_small_on_cpu(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["bench", "--small", "--device", "cpu", "--batch-sizes", "1,2", "--iters", "3",
                  "--new-tokens", "12", "--ckpt-dir", str(tmp_path / "ckpt"),
-                 "--methods", "none,mtp=2,dflash=3,ngram=3,ngram@7",
+                 "--methods", "none,mtp=2,dflash=3,ngram=3,ngram@7", "--arrival-rate", "40",
                  "--attention-backend", "torch", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
@@ -57,6 +57,10 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 assert run["steady_tokens"] == sum(steady_lengths(4 * b, 12, 0.5))
                 assert run["steady_tokens_per_s"] > 0
                 assert method != "none" or run["steady_steps"] >= 4 * 12
+                # the same requests arriving at random: every token, and first-token times
+                assert run["arrival_tokens"] == run["steady_tokens"]
+                assert 0 < run["arrival_ttft_p50_ms"] <= run["arrival_ttft_p90_ms"]
+                assert run["arrival_tokens_per_s"] > 0 and run["arrival_requests_per_s"] > 0
                 proposed = run["spec"]["drafts_proposed"]
                 if method == "none":
                     assert run["acceptance"] is None and proposed == 0
@@ -76,6 +80,7 @@ def test_bench_small_on_cpu(tmp_path, capsys):
     assert all(t["result"] in ("PASS", "MISS") for name, t in targets.items() if "32" not in name)
     printed = capsys.readouterr().out
     assert "PASS" in printed or "MISS" in printed
+    assert "ngram@7 ttft" in printed and "(arrivals at 40.0 a second per seat" in printed
     if importlib.util.find_spec("matplotlib"):
         assert (out / "bench.png").stat().st_size > 0
 
@@ -147,6 +152,17 @@ def test_steady_requests_spread_their_lengths_evenly_around_the_mean(tmp_path):
     assert steady_lengths(1, 12, 0.5) == [12]
     with pytest.raises(SystemExit, match=r"--steady-spread: 1.0 is not in \[0, 1\)"):
         main(["bench", "--small", "--device", "cpu", "--steady-spread", "1", "--out", str(tmp_path)])
+
+
+def test_arrivals_come_at_random_at_the_rate_asked_alike_for_every_method(tmp_path):
+    times = arrival_times(4000, 50.0)
+    assert times == arrival_times(4000, 50.0) and times == sorted(times) and times[0] > 0
+    assert 0.95 * 4000 / 50 < times[-1] < 1.05 * 4000 / 50
+    gaps = [b - a for a, b in zip([0.0] + times, times)]
+    assert max(gaps) > 5 * min(gaps)   # exponential gaps, not a fixed beat
+    with pytest.raises(SystemExit, match=r"--arrival-rate: -1.0 is below 0"):
+        main(["bench", "--small", "--device", "cpu", "--arrival-rate", "-1",
+              "--out", str(tmp_path)])
 
 
 def test_a_negative_steady_waves_is_refused(tmp_path):
