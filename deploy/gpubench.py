@@ -302,7 +302,8 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     the draft policy settles on the batch size's k), then the methods take turns `args.repeat`
     times and each keeps its median run, so the machine's drifts hit all methods alike. With
     `args.steady_waves`, each turn also runs steady_run over that many batches' worth of prompts,
-    whose median goes in beside the batch's."""
+    whose median goes in beside the batch's; with `args.arrival_rate`, arrival_run over the same
+    requests, the turn of the median first-token time kept."""
     top = max(args.batch_sizes)
     longest = (round(args.new_tokens * (1 + args.steady_spread))
                if args.steady_waves or args.arrival_rate else 0)
