@@ -200,7 +200,7 @@ def _fla_chunk():
 
 # flash-linear-attention's chunked kernel costs about 2 ms of host time per layer (some 15
 # launches through its autotuner), while token by token a step's time follows its longest chunk
-# until the GPU fills up. On the H200 (README, "Latest full bench: commit 816c4b0"), the
+# until the GPU fills up. On the H200 (README, "Full bench: commit 816c4b0"), the
 # Qwen3.5-2B shape prefilled 4 prompts of 256 rows in 23 ms token by token against 37 ms
 # chunked, one of 1024 rows in 21 against 34, and broke even at 8192 rows in all; one prompt of
 # 4096 rows took 94 against 55. Decode, verify and other prefills run token by token
