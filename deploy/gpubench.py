@@ -14,6 +14,7 @@ are measured on the bundled model with its trained MTP head and DFlash drafter (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -172,6 +173,22 @@ def verify_pool_bytes(model_dir: str, dtype: str, slots: int) -> int | None:
     return per_entry * slots * (MAX_VERIFY + 1)
 
 
+@contextlib.contextmanager
+def at_most(llm: LLM, batch: int):
+    """The scheduler runs at most `batch` sequences at once (its max_num_seqs) meanwhile."""
+    config = llm.scheduler.config
+    llm.scheduler.config = replace(config, max_num_seqs=batch)
+    try:
+        yield
+    finally:
+        llm.scheduler.config = config
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """What every timed run asks of a request: exactly `max_tokens` greedy tokens."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
 def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     """Greedy decoding of `prompts` together: the decode phase (after every sequence has its first
     token) is timed; tokens/s counts the tokens it emitted, ms per step is its wall / its steps.
@@ -180,8 +197,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     `full_batch_s` and `full_batch_steps` say how much of the run they were (the rest is the
     tail, which plain decoding, finishing every sequence at one step, does not have)."""
     sched = llm.scheduler
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    ids = [llm.add_request(p, params, streamed=False) for p in prompts]   # read at the end
+    ids = [llm.add_request(p, greedy(new_tokens), streamed=False) for p in prompts]   # read at the end
     while sched.waiting or any(not s.output_ids for s in sched.running):
         llm.step()
     before = sum(len(s.output_ids) for s in sched.running)
@@ -227,19 +243,14 @@ def steady_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[int
     request is admitted, as in serving under steady load. Timed from the first step to the last,
     the later requests' prefills included; tokens/s counts every token emitted."""
     sched = llm.scheduler
-    config = sched.config
-    sched.config = replace(config, max_num_seqs=batch)
-    try:
-        ids = [llm.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-               for p, n in zip(prompts, lengths)]
+    with at_most(llm, batch):
+        ids = [llm.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
         sched.stats = SpecStats()
         steps, start = 0, time.perf_counter()
         while llm.has_work:
             llm.step()
             steps += 1
         wall = time.perf_counter() - start
-    finally:
-        sched.config = config
     total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
     return {"steady_tokens_per_s": total / wall if wall else 0.0, "steady_tokens": total,
             "steady_requests": len(prompts), "steady_steps": steps, "steady_wall_s": wall,
@@ -265,18 +276,15 @@ def arrival_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[in
     scheduler makes prompts wait (prefill steps gathered, `prefill_gather`). Timed from the
     start to the last token."""
     sched = llm.scheduler
-    config = sched.config
-    sched.config = replace(config, max_num_seqs=batch)
     first: dict[str, float] = {}
     ids: list[str] = []
-    try:
+    with at_most(llm, batch):
         steps, start = 0, time.perf_counter()
         while len(ids) < len(prompts) or llm.has_work:
             now = time.perf_counter() - start
             while len(ids) < len(prompts) and arrivals[len(ids)] <= now:
                 i = len(ids)
-                ids.append(llm.add_request(prompts[i], SamplingParams(
-                    max_tokens=lengths[i], temperature=0, ignore_eos=True)))
+                ids.append(llm.add_request(prompts[i], greedy(lengths[i])))
             if not llm.has_work:
                 time.sleep(max(0.0, arrivals[len(ids)] - now))
                 continue
@@ -284,8 +292,6 @@ def arrival_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[in
                 first.setdefault(seq.request_id, time.perf_counter() - start)
             steps += 1
         wall = time.perf_counter() - start
-    finally:
-        sched.config = config
     total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
     waits = sorted(1000 * (first[i] - arrivals[n]) for n, i in enumerate(ids))
     return {"arrival_requests_per_s": len(prompts) / arrivals[-1] if arrivals[-1] else None,

@@ -24,9 +24,8 @@ from dataclasses import replace
 
 import torch
 
-from metrale.cluster.params import SamplingParams
 from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
-from metrale.deploy.gpubench import bundled_prompts, kv_bytes_needed
+from metrale.deploy.gpubench import bundled_prompts, greedy, kv_bytes_needed
 from metrale.deploy.llm import LLM
 
 
@@ -57,8 +56,7 @@ def engine(method: str, drafts: str, **options) -> LLM:
 
 def admit(llm: LLM, prompts) -> list[str]:
     """Queues the prompts for 128 greedy tokens each and steps until every one has its first."""
-    ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
-           for p in prompts]
+    ids = [llm.add_request(p, greedy(128)) for p in prompts]
     sched = llm.scheduler
     while sched.waiting or any(not s.output_ids for s in sched.running):
         llm.step()
@@ -170,8 +168,7 @@ def steady(method: str, drafts: str, batch: int, waves: int, prompts) -> None:
     schedule = sched.schedule
     sched.schedule = lambda *a, **k: plans.append(schedule(*a, **k)) or plans[-1]
     for run in range(2):
-        ids = [llm.add_request(p, SamplingParams(max_tokens=128, temperature=0, ignore_eos=True))
-               for p in prompts[:batch * waves]]
+        ids = [llm.add_request(p, greedy(128)) for p in prompts[:batch * waves]]
         steps, eager[:], named = [], [], set()
         start = time.perf_counter()
         while llm.has_work:
