@@ -56,10 +56,10 @@ class MetraleConfig(BaseModel):
                                "sequence (a sliding window).")
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram lookup matches.")
     ngram_max: int = Field(4, ge=1, description="Longest suffix n-gram lookup matches.")
-    chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram rounds one plan "
-                                     "runs on the device before the host reads their tokens (a "
-                                     "new request waits for the chain); default: 8 with CUDA "
-                                     "graphs, else 0 (off).")
+    chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram or MTP rounds one "
+                                     "plan runs on the device before the host reads their "
+                                     "tokens (a new request waits for the chain); default: 8 "
+                                     "for n-gram with CUDA graphs, else 0 (off).")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "

@@ -44,15 +44,17 @@ from metrale.workers.ssm_pool import SSMSlotPool
 SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-2b": QWEN3_5_2B}
 SMALL_SHAPES = {"qwen3-8b": QWEN3_SMALL, "qwen3.5-2b": QWEN3_5_SMALL}
 MAX_VERIFY = 15                     # the deepest verify timed (rows = k + 1)
-# ngram, ngram@7 (at most 7 drafts), ngram=3 (always 3); a /gG tail: prefill_gather G (mtp/g4)
-METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?(?:/g(\d+(?:\.\d+)?))?")
+# ngram, ngram@7 (at most 7 drafts), ngram=3 (always 3); a /gG tail: prefill_gather G (mtp/g4);
+# a /cN tail: chain_rounds N (mtp/c0: every round planned and read by the host)
+METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?(?:/g(\d+(?:\.\d+)?))?(?:/c(\d+))?")
 
 
 def method_options(spec: str) -> dict:
     """The LLM arguments a --methods entry names."""
-    method, how, k, gather = METHOD.fullmatch(spec).groups()
+    method, how, k, gather, chain = METHOD.fullmatch(spec).groups()
     return {"speculative_method": method, "num_drafts": int(k) if k else None,
-            "adaptive_drafts": how != "=", "prefill_gather": float(gather) if gather else 1.0}
+            "adaptive_drafts": how != "=", "prefill_gather": float(gather) if gather else 1.0,
+            "chain_rounds": int(chain) if chain else None}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="proposers timed on the bundled model or a given directory ('none': "
                         "plain; 'ngram@7': at most 7 drafts a round instead of the default; "
                         "'ngram=3': exactly 3 every round, no adaptive draft length; a '/g4' "
-                        "tail: prefill_gather=4, as 'mtp/g4')")
+                        "tail: prefill_gather=4, as 'mtp/g4'; a '/c0' tail: chain_rounds=0, "
+                        "as 'mtp/c0' or 'mtp/g4/c0')")
     p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
     p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
@@ -725,7 +728,7 @@ def run(args) -> int:
     for m in args.methods:
         if not METHOD.fullmatch(m):
             raise SystemExit(f"--methods: {m!r} is not METHOD, METHOD@K or METHOD=K, each "
-                             "with an optional /gG (prefill_gather G)")
+                             "with an optional /gG (prefill_gather G) and /cN (chain_rounds N)")
     if args.steady_waves < 0:
         raise SystemExit(f"--steady-waves: {args.steady_waves} is below 0 (0 turns steady runs off)")
     if args.arrival_rate < 0:

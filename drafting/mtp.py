@@ -107,6 +107,11 @@ class MTPProposer:
     def commit(self, rows: list[CommittedRows]) -> None:
         self._catch_up(self.held.add(rows))
 
+    def commit_held(self, slots: list[int]) -> None:
+        """Catches the slots up on every row they hold: each stash is then at the slot's last
+        committed row (before a chain of rounds drafts from it on the device)."""
+        self._catch_up(self.held.take(slots))
+
     @torch.inference_mode()
     def _catch_up(self, rows: list[CommittedRows]) -> None:
         """MTP rows for every committed position, including serially decoded ones: by replay of
@@ -215,9 +220,6 @@ class MTPGraphs:
         """Every bucket's chain for k = 1..max_drafts and catch-up for every captured length
         (a capture met while serving would stall its round: kernels compile for the graph's
         shapes), over the spare block."""
-        self.slots.zero_()
-        self.last.zero_()
-        self.tables.fill_(self.spare)
         for k in range(1, max_drafts + 1):
             for bucket in reversed(self.buckets):
                 if (bucket, k) not in self.graphs:
@@ -231,12 +233,12 @@ class MTPGraphs:
         """Draft tokens and log-probabilities [len(requests), k], on the device."""
         n, p = len(requests), self.p
         bucket = bucket_for(self.buckets, n)
+        if (bucket, k) not in self.graphs:   # (its capture writes the inputs)
+            self.graphs[bucket, k] = self._capture(bucket, k)
         self._tables([r.block_table for r in requests], bucket)
         to_device([[r.slot for r in requests] + [0] * (bucket - n),
                    [p.stash_pos[r.slot] for r in requests] + [0] * (bucket - n)],
                   self.slots.device, out=self.chain_in[:, :bucket])
-        if (bucket, k) not in self.graphs:
-            self.graphs[bucket, k] = self._capture(bucket, k)
         graph, tokens, logp = self.graphs[bucket, k]
         graph.replay()
         return tokens[:n], logp[:n]
@@ -250,6 +252,8 @@ class MTPGraphs:
         length = bucket_for(CATCH_UP_LENGTHS, max(len(r.tokens) for r in rows))
         if bucket is None or length is None:
             return False
+        if (bucket, length) not in self.catch_ups:   # (its capture writes the inputs)
+            self.catch_ups[bucket, length] = self._capture_catch_up(bucket, length)
         pad = bucket - n
         tokens = [0] * (bucket * length)
         source = [0] * (bucket * length)   # each row's row in the step's hidden states
@@ -271,8 +275,6 @@ class MTPGraphs:
             torch.index_select(rows[0].step_hidden, 0, sent[size:],
                                out=self.hidden[:bucket * length])
         self._tables([r.block_table for r in rows], bucket)
-        if (bucket, length) not in self.catch_ups:
-            self.catch_ups[bucket, length] = self._capture_catch_up(bucket, length)
         self.catch_ups[bucket, length].replay()
         return True
 
@@ -286,6 +288,10 @@ class MTPGraphs:
                   self.tables.device, torch.int32, out=self.tables[:bucket, :width])
 
     def _capture(self, bucket: int, k: int):
+        # captured over padding sequences, whose drafts' K/V go to the spare block
+        self.slots[:bucket].zero_()
+        self.last[:bucket].zero_()
+        self.tables[:bucket].fill_(self.spare)
         graph, out = capture(lambda: self._chain(bucket, k), self.pool)
         self.pool = graph.pool()
         return graph, *out
@@ -302,29 +308,47 @@ class MTPGraphs:
         return graph
 
     def _catch_up(self, n: int, length: int) -> None:
-        """The eager catch-up's forward over n sequences of `length` rows each, of which
-        sequence i's first count[i] are real; writes the stash at each one's last real row."""
-        p, bs, device = self.p, self.p.block_size, self.slots.device
+        """The catch-up's forward over n sequences of `length` rows each, from the static
+        inputs."""
         rows = n * length
-        tokens = self.caught[:rows]
         start, count, slot = self.caught[rows:rows + 3 * n].view(3, n)
+        self.catch_up_rows(self.caught[:rows], start, count, slot, self.tables[:n],
+                           self.hidden[:rows], length)
+
+    def catch_up_rows(self, tokens: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
+                      slot: torch.Tensor, tables: torch.Tensor, hidden: torch.Tensor,
+                      length: int) -> None:
+        """The eager catch-up's forward, on the device and capturable, over n sequences of
+        `length` rows each (`tokens` [n * length], each row's next token; `hidden` the
+        target's rows), of which sequence i's first count[i] are real, from position start[i]
+        in slot slot[i] with block table tables[i]: writes their MTP K/V (padding rows' into
+        the spare block) and the stash at each one's last real row."""
+        p, bs = self.p, self.p.block_size
+        n, device = start.shape[0], start.device
+        rows = n * length
         offset = torch.arange(length, device=device)
         real = offset[None, :] < count[:, None]
         pos = torch.where(real, start[:, None] + offset[None, :], start[:, None])
-        tables = self.tables[:n]
         block = tables.gather(1, pos // bs).long()
         kv_slot = torch.where(real, block * bs + pos % bs, self.spare * bs)
         q_start = torch.arange(0, rows, length, dtype=torch.int32, device=device)
         seqs = [SeqRows(i * length, length, 0, None, -1) for i in range(n)]
         batch = ForwardBatch(tokens, pos.flatten(), kv_slot.flatten(), seqs, bs, q_start,
                              count.int(), start.int(), tables, None, backend="triton")
-        out = p._run(batch, self.hidden[:rows])
+        out = p._run(batch, hidden)
         p.stash[slot] = out[q_start.long() + count - 1]
 
     def _chain(self, n: int, k: int):
+        return self.draft_chain(self.slots[:n], self.last[:n], self.tables[:n], k)
+
+    def draft_chain(self, slots: torch.Tensor, last: torch.Tensor, tables: torch.Tensor,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy drafts and their log-probabilities [n, k], on the device and capturable, of
+        the sequences in `slots` whose stashed rows are at positions `last`, with block tables
+        `tables`."""
         p, bs = self.p, self.p.block_size
-        tables, device = self.tables[:n], self.slots.device
-        hidden = p.stash[self.slots[:n]]
+        n, device = slots.shape[0], slots.device
+        hidden = p.stash[slots]
         ones = torch.ones(n, dtype=torch.int32, device=device)
         q_start = torch.arange(n, dtype=torch.int32, device=device)
         seqs = [SeqRows(i, 1, 0, None, -1) for i in range(n)]
@@ -335,7 +359,7 @@ class MTPGraphs:
             logps.append(top.values)
             if step == k - 1:
                 break
-            pos = self.last[:n] + step + 1
+            pos = last + step + 1
             block = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long()
             batch = ForwardBatch(top.indices, pos, block * bs + pos % bs, seqs, bs, q_start, ones,
                                  pos.int(), tables, None, backend="triton")

@@ -1,10 +1,12 @@
-"""Greedy n-gram rounds chained on the device: one CUDA graph replay a round.
+"""Greedy n-gram or MTP rounds chained on the device: one CUDA graph replay a round.
 
-A chained round drafts from each sequence's history (`ngram_drafts_on_device`), lays out its
-verify rows, runs the target, counts the accepted drafts, commits a hybrid's SSM states and
-appends the round's tokens to the history, all inside one graph over static buffers. The host
-fills the buffers once per chain, replays the graph once per round and reads every round's
-tokens with one sync at the end (`Worker._execute_chain`).
+A chained round drafts (n-gram: from each sequence's history, `ngram_drafts_on_device`; MTP:
+the captured draft chain from each slot's stash), lays out its verify rows, runs the target,
+counts the accepted drafts, commits a hybrid's SSM states, feeds the MTP layer the committed
+rows (its K/V and stash: `MTPGraphs.catch_up_rows`) and appends the round's tokens to the
+history, all inside one graph over static buffers. The host fills the buffers once per chain,
+replays the graph once per round and reads every round's tokens with one sync at the end
+(`Worker._execute_chain`).
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ class ChainRunner:
     """The chain's static buffers, shared by its graphs (one per batch bucket and rows per
     sequence, captured at start or on first use): each sequence's tokens (`history`, the first
     `used` of a row valid), its cached length (`context`), and the latest round's argmaxes
-    and accepted count per sequence (`landing`, [bucket, length + 1])."""
+    and accepted count per sequence (`landing`, [bucket, length + 1]). With `mtp` (the MTP
+    proposer's graphs) the rounds draft with the MTP layer, and the history need only hold
+    each sequence's pending token at the start."""
 
     def __init__(self, graphs: GraphRunner, min_n: int, max_n: int, max_len: int,
-                 max_rounds: int):
-        self.graphs, self.min_n, self.max_n = graphs, min_n, max_n
+                 max_rounds: int, mtp=None):
+        self.graphs, self.min_n, self.max_n, self.mtp = graphs, min_n, max_n, mtp
         device = graphs.tables.device
         seqs = graphs.buckets[-1]
         self.width = max_len + max_rounds * graphs.max_rows   # what the rounds may append
@@ -128,7 +132,11 @@ class ChainRunner:
 
         def before(views):
             ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
-            drafts, ids = draft_round(history, used, depth, self.min_n, self.max_n)
+            if self.mtp is None:
+                drafts, ids = draft_round(history, used, depth, self.min_n, self.max_n)
+            else:   # each stash is the MTP output at the row before the pending token
+                drafts = self.mtp.draft_chain(slots_in, context - 1, tables, depth)[0]
+                ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
             positions = context[:, None] + rows
             kv = tables.gather(1, positions // bs).long() * bs + positions % bs
             ids_in.copy_(ids.view(-1))
@@ -137,13 +145,16 @@ class ChainRunner:
             context_in.copy_(context)
             step.update(ids=ids_in, drafts=drafts, slots=slots_in)
 
-        def after(logits):
+        def after(logits, hidden):
             best = logits.argmax(-1)
             if verify:
                 accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
                                                              step["slots"], length)
             else:
                 accepted = greedy_counts(step["drafts"], best.view(bucket, length))
+            if self.mtp is not None:   # the committed rows: pending token, accepted drafts
+                self.mtp.catch_up_rows(best, context, accepted + 1, step["slots"], tables,
+                                       hidden, length)
             best = best.view(bucket, length)
             advance(history, used, context, best, accepted)
             self.landing[:bucket, :length].copy_(best)

@@ -62,9 +62,11 @@ class GraphRunner:
                        for n, t in zip(sizes, (torch.long, torch.int32))]
         self.tables = torch.zeros(n_seq, max_blocks_per_seq, dtype=torch.int32, device=device)
         # two pinned staging sets, so a step fills one while the other's copy may still fly
-        self.staging = [[torch.zeros(n, dtype=t, pin_memory=True)
+        # (pinned, and the copies' events, on CUDA: tests rerun steps on the CPU for replays)
+        cuda = device.type == "cuda"
+        self.staging = [[torch.zeros(n, dtype=t, pin_memory=cuda)
                          for n, t in zip(sizes, (torch.long, torch.int32))] for _ in range(2)]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
         self.turn = 0
         self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.pool = None
@@ -143,7 +145,8 @@ class GraphRunner:
         and slot), into a staging set; one copy per buffer sends it to the device."""
         self.turn ^= 1
         staging = self.staging[self.turn]
-        self.copied[self.turn].synchronize()   # its previous copy has left
+        if self.copied:
+            self.copied[self.turn].synchronize()   # its previous copy has left
         n = len(layout.seqs) if layout is not None else 0
         rows, bs = n * length, self.block_size
         width = layout.tables.shape[1] if layout is not None else -(-length // bs)
@@ -163,15 +166,17 @@ class GraphRunner:
         sizes = (3 * bucket * length + bucket, 3 * bucket + bucket * width)
         for device_in, host, size in zip(self.inputs, staging, sizes):
             device_in[:size].copy_(host[:size], non_blocking=True)
-        self.copied[self.turn].record()
+        if self.copied:
+            self.copied[self.turn].record()
         self.tables[:bucket, :width].copy_(self._views(bucket, length, width, self.inputs)[-1])
 
     def capture_around(self, bucket: int, length: int, verify: bool, before, after):
         """A graph of the step with the caller's work on each side: `before(views)` writes the
         step's per-row inputs into its buffer views (`_views`: ids, positions, KV indices, ...),
-        `after(logits)` takes its float32 logits [bucket * length, vocab]. Captured over
-        padding sequences only (the capture runs the step once), so it writes no sequence's
-        caches; `prepare` then fills a real step's buffers before each use."""
+        `after(logits, hidden)` takes its float32 logits [bucket * length, vocab] and its
+        hidden rows. Captured over padding sequences only (the capture runs the step once), so
+        it writes no sequence's caches; `prepare` then fills a real step's buffers before each
+        use."""
         return self._capture(bucket, length, verify, before, after)[0]
 
     def _capture(self, bucket: int, length: int, verify: bool, before=None, after=None):
@@ -189,7 +194,7 @@ class GraphRunner:
                 before(self._views(bucket, length, 1, self.inputs))
             hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)
             if after is not None:
-                return after(self.model.logits(hidden))
+                return after(self.model.logits(hidden), hidden)
             self.out_hidden[:rows].copy_(hidden)
             for out, c in zip(self.out_captured, captured):
                 out[:rows].copy_(c)

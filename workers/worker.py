@@ -139,8 +139,9 @@ class WorkerConfig:
     capture_at_start: bool = True        # capture every decode/verify graph when starting
     warmup_prefill_rows: int = 0         # on CUDA: one dummy prefill of this many rows at start
                                          # (the step budget), compiling its kernels before serving
-    chain_rounds: int | None = None      # greedy n-gram rounds one plan may chain on the device
-                                         # (None: CHAIN_ROUNDS with CUDA graphs, else 0)
+    chain_rounds: int | None = None      # greedy n-gram or MTP rounds a plan may chain
+                                         # (None: CHAIN_ROUNDS for n-gram with CUDA graphs,
+                                         # else 0)
 
     @property
     def torch_device(self) -> torch.device:
@@ -149,6 +150,12 @@ class WorkerConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         return torch.device(self.device)
+
+
+def graphs_replay_on(device: torch.device) -> bool:
+    """Whether captured graphs replay on the device: on CUDA only (tests stand a rerun of the
+    step in for a replay on the CPU, under Triton's interpreter)."""
+    return device.type == "cuda"
 
 
 def attention_backend(requested: str, device: torch.device) -> str:
@@ -180,7 +187,7 @@ class Worker:
         if self.backend == "triton" and tp.size == 1:
             fuse_projections(self.model.model.layers)
         # CUDA graphs pad batches with sequences that own one spare KV block and SSM slot
-        self.use_graphs = (config.cuda_graphs and self.device.type == "cuda"
+        self.use_graphs = (config.cuda_graphs and graphs_replay_on(self.device)
                            and self.backend == "triton" and tp.size == 1)
         spare = int(self.use_graphs)
         # A sequence given fewer drafts than planned verifies filler rows in their place, so the
@@ -219,7 +226,8 @@ class Worker:
         self._flying: deque[InFlight] = deque()   # launched, tokens not read yet, oldest first
         self._flights = threading.RLock()   # launches and reads may come from two threads
         # pinned landing rows for the argmaxes of steps in flight, used in turn
-        self._landing = ([torch.empty(slots, dtype=torch.long, pin_memory=True)
+        self._landing = ([torch.empty(slots, dtype=torch.long,
+                                      pin_memory=self.device.type == "cuda")
                           for _ in range(FLIGHTS)] if self.use_graphs else [])
         self._launches = 0
         self.graphs = GraphRunner(
@@ -241,11 +249,13 @@ class Worker:
         # after the commits: a chained round commits with their index
         # (a sequence holds at most what the context and the KV cache hold; a round's lookup
         # costs the history buffer's width, whatever the sequences' lengths)
-        self.chain = ChainRunner(self.graphs, p.min_n, p.max_n,
+        mtp = getattr(p, "graphs", None) if p is not None and p.method == "mtp" else None
+        self.chain = ChainRunner(self.graphs, getattr(p, "min_n", 0), getattr(p, "max_n", 0),
                                  min(cfg.max_position_embeddings,
                                      self.kv.num_blocks * config.block_size),
-                                 self.capacity.chain_rounds) \
-            if self.graphs is not None and self.capacity.chain_rounds else None
+                                 self.capacity.chain_rounds, mtp) \
+            if self.graphs is not None and self.capacity.chain_rounds and (
+                p.method == "ngram" or mtp is not None) else None
         if self.chain is not None and config.capture_at_start:
             start = time.perf_counter()
             self.chain.capture_all([k + 1 for k in range(1, config.max_drafts + 1)],
@@ -259,15 +269,18 @@ class Worker:
         log.info("worker on %s: %s", self.device, self.memory_report())
 
     def _chain_rounds(self) -> int:
-        """Rounds a plan may chain (`_execute_chain`): with an n-gram proposer on one rank only,
-        by default where CUDA graphs replay (elsewhere every round waits for the host anyway)."""
+        """Rounds a plan may chain (`_execute_chain`): with an n-gram or MTP proposer on one
+        rank only. By default n-gram rounds chain where CUDA graphs replay (elsewhere every
+        round waits for the host anyway), and MTP rounds only when asked: their chain is not
+        yet measured on a GPU (README, "Host time of a round, and MTP rounds chained on the
+        device"). Off the graph path a plan's MTP rounds run one by one."""
         rounds = self.config.chain_rounds
+        method = self.proposer.method if self.proposer is not None else "none"
         if rounds is None:
-            rounds = CHAIN_ROUNDS if self.use_graphs else 0
+            rounds = CHAIN_ROUNDS if self.use_graphs and method == "ngram" else 0
         if rounds < 0:
             raise ValueError(f"chain_rounds must be 0 or more, not {rounds}")
-        ngram = self.proposer is not None and self.proposer.method == "ngram"
-        return rounds if ngram and self.tp.size == 1 else 0
+        return rounds if method in ("ngram", "mtp") and self.tp.size == 1 else 0
 
     def _make_kv_cache(self) -> PagedKVCache:
         cfg, c = self.model.config, self.config
@@ -453,26 +466,38 @@ class Worker:
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
 
     def _execute_chain(self, plan: StepPlan) -> StepResult:
-        """`steps` greedy n-gram rounds of the plan's sequences in a row (`SeqWork.steps` with
-        drafts), every sequence verifying the same number of drafts, each round proposed,
-        verified, judged and committed on the device: the next round drafts from the tokens the
-        last one accepted there, and the host reads all the rounds' tokens with one sync at
-        the end. Greedy verdicts are the target's argmaxes whatever the drafts, so the tokens
-        are those of the rounds run one by one. On a graph worker a round is one replay
-        (workers.chain); elsewhere (CPU, tests) the same tensor ops run eagerly and a round
-        reads its drafts back to lay out its forward."""
+        """`steps` greedy n-gram or MTP rounds of the plan's sequences in a row
+        (`SeqWork.steps` with drafts), every sequence verifying the same number of drafts, each
+        round proposed, verified, judged and committed on the device: the next round drafts
+        from the tokens the last one accepted there, and the host reads all the rounds' tokens
+        with one sync at the end. Greedy verdicts are the target's argmaxes whatever the
+        drafts, so the tokens are those of the rounds run one by one. On a graph worker a round
+        is one replay (workers.chain); elsewhere (CPU, tests) n-gram rounds run the same tensor
+        ops eagerly, each reading its drafts back to lay out its forward, and MTP rounds run as
+        separate rounds."""
         start = time.perf_counter()
         work = self._fill_ahead(plan.work)
-        self._track_history(work)
         rounds, depth = work[0].steps, max(max(w.num_drafts, w.pad_to) for w in work)
         length, verify = depth + 1, self.ssm is not None
-        histories = [self.history[w.slot] for w in work]
         layout = RowsLayout.of([(w.tokens * length, w.context_len, w.block_table, w.slot, verify)
                                 for w in work], self.config.block_size)
-        if self.chain is not None and self.graphs.eligible(layout):
-            landed = self.chain.run(layout, histories, rounds)
+        mtp = self.proposer.method == "mtp"
+        chained = self.chain is not None and self.graphs.eligible(layout)
+        one_by_one = mtp and not chained   # (its rounds keep the history and the stats)
+        if one_by_one:
+            landed = self._rounds_one_by_one(work, length, rounds)
         else:
-            landed = self._chain_eagerly(work, histories, depth, rounds)
+            self._track_history(work)
+        if chained and mtp:   # each stash at the row before the pending token
+            self.proposer.commit_held([w.slot for w in work])
+            assert all(self.proposer.stash_pos[w.slot] == w.context_len - 1 for w in work), \
+                "an MTP chain drafts from the row before each pending token"
+            landed = self.chain.run(layout, [w.tokens for w in work], rounds)
+        elif chained:
+            landed = self.chain.run(layout, [self.history[w.slot] for w in work], rounds)
+        elif not one_by_one:
+            landed = self._chain_eagerly(work, [self.history[w.slot] for w in work], depth,
+                                         rounds)
         outcomes = []
         for i, w in enumerate(work):
             tokens, per_round = [], []
@@ -480,8 +505,12 @@ class Worker:
                 accepted = landed[r][i][length]
                 tokens += landed[r][i][:accepted + 1]
                 per_round.append(accepted)
-                self.stats.record(depth, accepted)
-            self.history[w.slot].extend(tokens[:-1])   # the last is the next plan's pending token
+            if not one_by_one:
+                for accepted in per_round:
+                    self.stats.record(depth, accepted)
+                self.history[w.slot].extend(tokens[:-1])   # the last: the next plan's pending
+            if chained and mtp:
+                self.proposer.stash_pos[w.slot] = w.context_len + len(tokens) - 1
             outcomes.append(SeqOutcome(w.seq_id, tokens, depth * rounds, sum(per_round),
                                        rounds=per_round))
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
@@ -511,6 +540,22 @@ class Worker:
                 self.ssm.commit([w.slot for w in work], accepted.tolist())
             advance(history, used, context, best, accepted)
             landed.append(torch.cat([best, accepted[:, None]], 1).tolist())
+        return landed
+
+    def _rounds_one_by_one(self, work: list[SeqWork], length: int, rounds: int) -> list:
+        """A chain's rounds as separate rounds (`_execute`), each from the tokens the one before
+        accepted. Returns what ChainRunner.run returns."""
+        landed, pending, context = [], [w.tokens for w in work], [w.context_len for w in work]
+        for _ in range(rounds):
+            step = [replace(w, tokens=p, context_len=c, steps=1)
+                    for w, p, c in zip(work, pending, context)]
+            outcomes = {o.seq_id: o for o in self._execute(StepPlan(step)).outcomes}
+            row = []
+            for i, w in enumerate(work):
+                o = outcomes[w.seq_id]
+                row.append(o.tokens + [0] * (length - len(o.tokens)) + [o.accepted])
+                pending[i], context[i] = o.tokens[-1:], context[i] + len(o.tokens)
+            landed.append(row)
         return landed
 
     def _execute_steps(self, plan: StepPlan) -> StepResult:

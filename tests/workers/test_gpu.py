@@ -146,15 +146,17 @@ def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint,
     assert outs[0].token_ids == refs[0] and any(late)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
-def test_chained_ngram_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, name):
-    """On a graph worker greedy n-gram rounds chain by default: each round's drafts, inputs,
-    verdicts and (hybrid) SSM commit stay on the device, one verify-graph replay a round, and
-    the host reads a chain once. The tokens are transformers' greedy ones, also for sequences
-    that stop inside a chain."""
+@pytest.mark.parametrize("method, name", [("ngram", "qwen3"), ("ngram", "qwen3_5"),
+                                          ("mtp", "qwen3_5")])
+def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, method, name):
+    """On a graph worker greedy n-gram rounds chain by default, MTP rounds when asked: each
+    round's drafts, inputs, verdicts, (hybrid) SSM commit and MTP catch-up stay on the device,
+    one graph replay a round, and the host reads a chain once. The tokens are transformers'
+    greedy ones, also for sequences that stop inside a chain."""
     model_dir = checkpoint(name)
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64,
-              speculative_method="ngram", num_drafts=3, adaptive_drafts=False)
+              speculative_method=method, num_drafts=3, adaptive_drafts=False,
+              chain_rounds=CHAIN_ROUNDS if method == "mtp" else None)
     worker = llm.worker
     assert worker.capacity.chain_rounds == CHAIN_ROUNDS and worker.graphs is not None
     # captured at start: every bucket, for 2..4 rows
@@ -163,6 +165,8 @@ def test_chained_ngram_rounds_replay_graphs_and_keep_the_reference_tokens(checkp
     run, chain_eagerly = worker.chain.run, worker._chain_eagerly
     worker.chain.run = lambda layout, h, rounds: chains.append(rounds) or run(layout, h, rounds)
     worker._chain_eagerly = lambda *a: eager.append(1) or chain_eagerly(*a)
+    one_by_one = worker._rounds_one_by_one
+    worker._rounds_one_by_one = lambda *a: eager.append(1) or one_by_one(*a)
     prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine", "x"]]
     refs = [checkpoints.reference_greedy(model_dir, p, 40) for p in prompts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
@@ -173,3 +177,27 @@ def test_chained_ngram_rounds_replay_graphs_and_keep_the_reference_tokens(checkp
                                                  stop_token_ids=[t])
                                   for t in stops])
     assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+
+
+def test_chained_mtp_rounds_draft_what_rounds_one_by_one_draft():
+    """The bundled model's trained MTP layer, chained on the device (each round's catch-up
+    writes the stash the next round drafts from) and round by round (chain_rounds 0): the same
+    greedy tokens, and nearly as many drafts accepted (float32; the catch-ups batch their rows
+    differently). A chain that drafted from a stale stash would accept far fewer."""
+    from metrale.deploy.bundled import BUNDLED_MODEL
+    from metrale.deploy.gpubench import bundled_prompts
+    kw = dict(device="cuda", dtype="float32", speculative_method="mtp", num_drafts=3,
+              adaptive_drafts=False, max_num_seqs=8)
+    prompts = bundled_prompts(BUNDLED_MODEL, 6, 64)
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    runs = {}
+    for rounds in (CHAIN_ROUNDS, 0):
+        llm = LLM(str(BUNDLED_MODEL), chain_rounds=rounds, **kw)
+        assert (llm.worker.chain is not None) == bool(rounds)
+        runs[rounds] = ([o.token_ids for o in llm.generate(prompts, greedy)],
+                        llm.scheduler.stats)
+        llm.close()
+    (chained, a), (alone, b) = runs[CHAIN_ROUNDS], runs[0]
+    assert chained == alone
+    assert b.drafts_accepted > b.drafts_proposed / 4
+    assert a.drafts_accepted >= 0.9 * b.drafts_accepted, (a, b)

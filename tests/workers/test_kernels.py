@@ -855,3 +855,69 @@ def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter):
         del layer.self_attn.qkv, layer.self_attn.kv, layer.mlp.gate_up
     plain = p._block_logits(*args, p.window)
     assert len(slots) == 2 and rel_err(fused, plain) < 1e-5
+
+
+def _graph_path_on_cpu(monkeypatch) -> None:
+    """Off the GPU, workers take the graph path with each graph a _Replayed: every replay
+    reruns the captured step (the Triton kernels under the interpreter)."""
+    if DEVICE != "cpu":
+        return
+    from metrale.drafting import mtp
+    from metrale.workers import cuda_graphs, ssm_pool, worker
+    for module in (cuda_graphs, ssm_pool, mtp):
+        monkeypatch.setattr(module, "capture",
+                            lambda step, pool: (_Replayed(step, out := step()), out))
+    monkeypatch.setattr(worker, "graphs_replay_on", lambda device: True)
+
+
+def test_chained_mtp_rounds_draft_what_rounds_one_by_one_draft(monkeypatch):
+    """The bundled model's trained MTP layer on the graph path, its greedy rounds chained on the
+    device (workers.chain: each round's catch-up writes the MTP K/V and the stash that the next
+    round drafts from, all from device values) and one plan a round (chain_rounds 0): at every
+    round of every sequence both draft the same tokens from the same position, so they emit the
+    same tokens and accept the same drafts. On the CPU only: the drafts are read at each rerun
+    of the step, which a CUDA graph's replay does not make."""
+    if DEVICE != "cpu":
+        pytest.skip("reads each round's drafts from the rerun step (a GPU replays graphs)")
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.bundled import BUNDLED_MODEL
+    from metrale.deploy.gpubench import bundled_prompts
+    from metrale.deploy.llm import LLM
+    from metrale.drafting import mtp
+    _graph_path_on_cpu(monkeypatch)
+    seats = 4
+    drafted: dict[int | None, dict] = {}
+    draft_chain = mtp.MTPGraphs.draft_chain
+
+    def recorded(self, slots, last, tables, k):
+        tokens, logp = draft_chain(self, slots, last, tables, k)
+        for slot, at, row in zip(slots.tolist(), last.tolist(), tokens.tolist()):
+            if slot < seats and at > 0:   # not a padding sequence's
+                drafted[rounds][slot, at] = row
+        return tokens, logp
+    monkeypatch.setattr(mtp.MTPGraphs, "draft_chain", recorded)
+    prompts = bundled_prompts(BUNDLED_MODEL, 2, 16)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs, stats = {}, {}
+    for rounds in (3, 0):
+        drafted[rounds] = {}
+        llm = LLM(str(BUNDLED_MODEL), device="cpu", dtype="float32", block_size=4,
+                  attention_backend="triton", speculative_method="mtp", num_drafts=3,
+                  adaptive_drafts=False, max_num_seqs=seats, chain_rounds=rounds,
+                  capture_at_start=False)
+        assert llm.worker.graphs is not None and (llm.worker.chain is not None) == bool(rounds)
+        chains, run = [], llm.worker.chain.run if rounds else None
+        if rounds:
+            llm.worker.chain.run = lambda layout, h, n: chains.append(n) or run(layout, h, n)
+        outs[rounds] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        stats[rounds] = llm.scheduler.stats
+        assert bool(chains) == bool(rounds)
+    assert outs[3] == outs[0]
+    assert stats[0].drafts_accepted > 0
+    # a chain runs on past a sequence's end, and near it one plan a round drafts fewer
+    chained, alone = drafted[3], drafted[0]
+    common = chained.keys() & alone.keys()
+    assert len(common) >= len(alone) - 2 * len(prompts), (sorted(chained), sorted(alone))
+    for key in common:
+        n = min(len(chained[key]), len(alone[key]))
+        assert chained[key][:n] == alone[key][:n], (key, chained, alone)
