@@ -886,7 +886,7 @@ def test_chained_mtp_rounds_draft_what_rounds_one_by_one_draft(monkeypatch):
     from metrale.drafting import mtp
     _graph_path_on_cpu(monkeypatch)
     seats = 4
-    drafted: dict[int | None, dict] = {}
+    drafted: dict[int, dict] = {}   # chain_rounds -> (slot, stashed position) -> drafts
     draft_chain = mtp.MTPGraphs.draft_chain
 
     def recorded(self, slots, last, tables, k):
