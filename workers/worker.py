@@ -486,16 +486,16 @@ class Worker:
         one_by_one = mtp and not chained   # (its rounds keep the history and the stats)
         if one_by_one:
             landed = self._rounds_one_by_one(work, length, rounds)
+        elif chained:
+            self._track_history(work)
+            if mtp:   # each stash at the row before the pending token; the history: that token
+                self.proposer.commit_held([w.slot for w in work])
+                assert all(self.proposer.stash_pos[w.slot] == w.context_len - 1 for w in work), \
+                    "an MTP chain drafts from the row before each pending token"
+            histories = [w.tokens if mtp else self.history[w.slot] for w in work]
+            landed = self.chain.run(layout, histories, rounds)
         else:
             self._track_history(work)
-        if chained and mtp:   # each stash at the row before the pending token
-            self.proposer.commit_held([w.slot for w in work])
-            assert all(self.proposer.stash_pos[w.slot] == w.context_len - 1 for w in work), \
-                "an MTP chain drafts from the row before each pending token"
-            landed = self.chain.run(layout, [w.tokens for w in work], rounds)
-        elif chained:
-            landed = self.chain.run(layout, [self.history[w.slot] for w in work], rounds)
-        elif not one_by_one:
             landed = self._chain_eagerly(work, [self.history[w.slot] for w in work], depth,
                                          rounds)
         outcomes = []
