@@ -874,9 +874,9 @@ def test_chained_mtp_rounds_draft_what_rounds_one_by_one_draft(monkeypatch):
     """The bundled model's trained MTP layer on the graph path, its greedy rounds chained on the
     device (workers.chain: each round's catch-up writes the MTP K/V and the stash that the next
     round drafts from, all from device values) and one plan a round (chain_rounds 0): at every
-    round of every sequence both draft the same tokens from the same position, so they emit the
-    same tokens and accept the same drafts. On the CPU only: the drafts are read at each rerun
-    of the step, which a CUDA graph's replay does not make."""
+    round of every sequence both draft the same tokens from the same position, and they emit
+    the same tokens. On the CPU only: the drafts are read at each rerun of the step, which a
+    CUDA graph's replay does not make."""
     if DEVICE != "cpu":
         pytest.skip("reads each round's drafts from the rerun step (a GPU replays graphs)")
     from metrale.cluster.params import SamplingParams
