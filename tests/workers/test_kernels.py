@@ -858,10 +858,8 @@ def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter):
 
 
 def _graph_path_on_cpu(monkeypatch) -> None:
-    """Off the GPU, workers take the graph path with each graph a _Replayed: every replay
+    """On the CPU, workers take the graph path with each graph a _Replayed: every replay
     reruns the captured step (the Triton kernels under the interpreter)."""
-    if DEVICE != "cpu":
-        return
     from metrale.drafting import mtp
     from metrale.workers import cuda_graphs, ssm_pool, worker
     for module in (cuda_graphs, ssm_pool, mtp):
