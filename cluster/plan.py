@@ -90,7 +90,7 @@ class WorkerCapacity:
     pad_drafts: bool = False               # the worker verifies filler rows up to a planned depth
     graphs: bool = False                   # it replays captured decode/verify steps: a step that
                                            # mixes a prefill chunk in runs eagerly
-    chain_rounds: int = 0                  # greedy n-gram rounds one plan may chain on the device
+    chain_rounds: int = 0                  # greedy rounds one plan may chain on the device
 
     @property
     def has_proposer(self) -> bool:

@@ -53,13 +53,13 @@ class MetraleConfig(BaseModel):
     self_spec_layers: int | None = Field(None, ge=1, description="Layers that draft for `self` "
                                          "speculation; default: half of the model's.")
     dflash_window: int = Field(2048, ge=1, description="Context rows a DFlash drafter keeps per "
-                               "sequence (a sliding window).")
+                               "sequence (a ring: when full, a new row takes the oldest's place).")
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram lookup matches.")
     ngram_max: int = Field(4, ge=1, description="Longest suffix n-gram lookup matches.")
-    chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram or MTP rounds one "
-                                     "plan runs on the device before the host reads their "
-                                     "tokens (a new request waits for the chain); default: 8 "
-                                     "for n-gram with CUDA graphs, else 0 (off).")
+    chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram, MTP or DFlash "
+                                     "rounds one plan runs on the device before the host reads "
+                                     "their tokens (a new request waits for the chain); "
+                                     "default: 8 for n-gram with CUDA graphs, else 0 (off).")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "

@@ -142,7 +142,7 @@ class DFlashProposer:
     keeps_row_state = True
 
     def __init__(self, target: CausalLM, drafter_dir: str | Path, num_slots: int, window: int,
-                 graphs: bool = True):
+                 graphs: bool = False):
         drafter_dir = Path(drafter_dir)
         cfg = read_dflash_config(drafter_dir, target)
         device, dtype = target.lm_head.weight.device, target.config.dtype
@@ -172,19 +172,21 @@ class DFlashProposer:
                 a.kv = a.qkv[a.q_proj.weight.shape[0]:]
                 fuse(layer.mlp, "gate_up", [layer.mlp.gate_proj, layer.mlp.up_proj])
         layer = drafter.layers[0]
-        # Context: per slot and draft layer, the K/V of the committed positions' features,
-        # a window of the most recent `window` rows with their absolute positions.
-        # (and one spare slot that takes the writes of a catch-up graph's padding rows)
+        # Context: per slot and draft layer, the K/V of the committed positions' features
+        # (rotated at their absolute positions), the most recent `window` rows in a ring: the
+        # slot's row number i at place i % window. A block attends to every context row alike,
+        # so the order of the rows is free, and a full window takes a row in place of its
+        # oldest. (And one spare slot takes the writes of padding rows.)
         shape = (len(drafter.layers), num_slots + 1, window, layer.kv_heads, layer.head_dim)
         self.ctx_k = torch.zeros(shape, dtype=dtype, device=device)
         self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
-        self.ctx_len = [0] * num_slots
+        self.seen = [0] * num_slots   # rows each slot's sequence has written (its window: the last)
         self.window = window
         self.held = HeldRows()
-        self.graphs = DFlashGraphs(self, self.max_batch) if device.type == "cuda" and graphs else None
+        self.graphs = DFlashGraphs(self, self.max_batch) if graphs else None   # (graph workers')
 
     @classmethod
-    def from_worker(cls, target, drafter, num_slots, dflash_window=2048, cuda_graphs=True, **_):
+    def from_worker(cls, target, drafter, num_slots, dflash_window=2048, cuda_graphs=False, **_):
         if not drafter:
             raise ProposerError("speculative method 'dflash' needs a drafter directory (--drafter)")
         return cls(target, drafter, num_slots, dflash_window, cuda_graphs)
@@ -192,30 +194,35 @@ class DFlashProposer:
     def commit(self, rows: list[CommittedRows]) -> None:
         self._catch_up(self.held.add(rows))
 
+    def commit_held(self, slots: list[int]) -> None:
+        """Catches the slots up on every row they hold (before a chain of rounds drafts from
+        their windows on the device)."""
+        self._catch_up(self.held.take(slots))
+
+    def window_rows(self, slot: int) -> int:
+        """Context rows the slot's window holds."""
+        return min(self.seen[slot], self.window)
+
     @torch.inference_mode()
     def _catch_up(self, rows: list[CommittedRows]) -> None:
-        """The draft layers' K/V of the rows' target features, appended to each slot's window:
-        one projection and one write for every slot whose rows fit behind what it holds (a CUDA
-        graph per row bucket on the GPU); a slot whose window overflows slides on its own."""
+        """The draft layers' K/V of the rows' target features, written into each slot's ring
+        (of rows more than a window, the last window's): one projection and one write for all
+        (a CUDA graph per row bucket on the GPU)."""
         if not rows:
             return
         features = gather_rows(rows, lambda r: r.step_captured)
-        positions, slots, places, fit, first = [], [], [], [], 0
+        positions, slots, places, kept, first = [], [], [], [], 0
         for r in rows:
-            have, n = 0 if r.fresh else self.ctx_len[r.slot], len(r.tokens)
-            if have + n <= self.window:
-                positions.extend(range(r.start, r.start + n))
-                slots.extend([r.slot] * n)
-                places.extend(range(have, have + n))
-                fit.extend(range(first, first + n))
-            else:
-                self._slide(r.slot, have, features[first:first + n], r.start)
-            self.ctx_len[r.slot] = min(have + n, self.window)
+            have, n = 0 if r.fresh else self.seen[r.slot], len(r.tokens)
+            skip = max(0, n - self.window)   # rows the window's later rows would write over
+            positions.extend(range(r.start + skip, r.start + n))
+            slots.extend([r.slot] * (n - skip))
+            places.extend((have + j) % self.window for j in range(skip, n))
+            kept.extend(range(first + skip, first + n))
+            self.seen[r.slot] = have + n
             first += n
-        if not fit:
-            return
-        if len(fit) < first:
-            features = features[to_device(fit, features.device)]
+        if len(kept) < first:
+            features = features[to_device(kept, features.device)]
         if self.graphs is None or not self.graphs.write(features, positions, slots, places):
             self._write(features, *to_device([positions, slots, places], features.device))
 
@@ -232,18 +239,6 @@ class DFlashProposer:
         keys, values = self._keys_values(features, positions)
         self.ctx_k[:, slots, places] = keys
         self.ctx_v[:, slots, places] = values
-
-    def _slide(self, slot: int, have: int, features: torch.Tensor, start: int) -> None:
-        """Appends rows of features to a slot whose window they overflow: the oldest slide out."""
-        n, w = features.shape[0], self.window
-        k, v = self._keys_values(features, torch.arange(start, start + n, device=features.device))
-        if n >= w:
-            self.ctx_k[:, slot, :w], self.ctx_v[:, slot, :w] = k[:, -w:], v[:, -w:]
-            return
-        keep = w - n
-        self.ctx_k[:, slot, :keep] = self.ctx_k[:, slot, have - keep:have].clone()
-        self.ctx_v[:, slot, :keep] = self.ctx_v[:, slot, have - keep:have].clone()
-        self.ctx_k[:, slot, keep:w], self.ctx_v[:, slot, keep:w] = k, v
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeRequest]) -> list[Proposal]:
@@ -265,7 +260,7 @@ class DFlashProposer:
         """After the catch-up: the widest context, and the requests' slots, pending tokens,
         their positions and context lengths."""
         self._catch_up(self.held.take(r.slot for r in requests))
-        lens = [self.ctx_len[r.slot] for r in requests]
+        lens = [self.window_rows(r.slot) for r in requests]
         return max(lens), [[r.slot for r in requests], [r.pending for r in requests],
                            [r.position for r in requests], lens]
 
@@ -373,6 +368,29 @@ class DFlashGraphs:
             self.catch_ups[rows] = self._capture_catch_up(rows)
         self.catch_ups[rows].replay()
         return True
+
+    def round_drafts(self, slots, pending, context, seen, tables, k: int) -> torch.Tensor:
+        """A chained round's greedy drafts [n, k] (workers.chain): the block after each pending
+        token (at position context) over its slot's window of `seen` rows; past the block's
+        gamma - 1, its last draft again."""
+        p = self.proposer
+        drafts = p._greedy(slots, pending, context, seen.clamp(max=p.window), p.window)[0]
+        if k > drafts.shape[1]:
+            drafts = torch.cat([drafts, drafts[:, -1:].expand(-1, k - drafts.shape[1])], 1)
+        return drafts[:, :k]
+
+    def round_commit(self, best, context, count, seen, slots, tables, hidden, captured,
+                     length: int) -> None:
+        """A chained round's catch-up: the K/V of each sequence's first count[i] rows, from
+        their captured target features, into its ring (the other rows into the spare slot);
+        each `seen` grows by its count."""
+        p = self.proposer
+        offset = torch.arange(length, device=context.device)
+        positions = context[:, None] + offset
+        places = (seen[:, None] + offset) % p.window
+        into = torch.where(offset[None, :] < count[:, None], slots[:, None], self.spare_slot)
+        p._write(torch.cat(captured, -1), positions.flatten(), into.flatten(), places.flatten())
+        seen.add_(count)
 
     def _capture(self, bucket: int):
         p = self.proposer

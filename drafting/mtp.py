@@ -338,6 +338,16 @@ class MTPGraphs:
         out = p._run(batch, hidden)
         p.stash[slot] = out[q_start.long() + count - 1]
 
+    def round_drafts(self, slots, pending, context, seen, tables, k: int) -> torch.Tensor:
+        """A chained round's drafts [n, k] (workers.chain): each stash is the MTP output at the
+        row before the pending token."""
+        return self.draft_chain(slots, context - 1, tables, k)[0]
+
+    def round_commit(self, best, context, count, seen, slots, tables, hidden, captured,
+                     length: int) -> None:
+        """A chained round's catch-up on the first count[i] of each sequence's rows."""
+        self.catch_up_rows(best, context, count, slots, tables, hidden, length)
+
     def _chain(self, n: int, k: int):
         return self.draft_chain(self.slots[:n], self.last[:n], self.tables[:n], k)
 

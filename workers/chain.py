@@ -1,12 +1,12 @@
-"""Greedy n-gram or MTP rounds chained on the device: one CUDA graph replay a round.
+"""Greedy n-gram, MTP or DFlash rounds chained on the device: one CUDA graph replay a round.
 
-A chained round drafts (n-gram: from each sequence's history, `ngram_drafts_on_device`; MTP:
-the captured draft chain from each slot's stash), lays out its verify rows, runs the target,
-counts the accepted drafts, commits a hybrid's SSM states, feeds the MTP layer the committed
-rows (its K/V and stash: `MTPGraphs.catch_up_rows`) and appends the round's tokens to the
-history, all inside one graph over static buffers. The host fills the buffers once per chain,
-replays the graph once per round and reads every round's tokens with one sync at the end
-(`Worker._execute_chain`).
+A chained round drafts (n-gram: from each sequence's history, `ngram_drafts_on_device`; MTP
+and DFlash: their drafter's `round_drafts`, from each slot's stash or context window), lays out
+its verify rows, runs the target, counts the accepted drafts, commits a hybrid's SSM states,
+feeds a drafter the committed rows (`round_commit`: MTP's K/V and stash, DFlash's context
+window) and appends the round's tokens to the history, all inside one graph over static
+buffers. The host fills the buffers once per chain, replays the graph once per round and reads
+every round's tokens with one sync at the end (`Worker._execute_chain`).
 """
 
 from __future__ import annotations
@@ -54,30 +54,34 @@ class ChainRunner:
     """The chain's static buffers, shared by its graphs (one per batch bucket and rows per
     sequence, captured at start or on first use): each sequence's tokens (`history`, the first
     `used` of a row valid), its cached length (`context`), and the latest round's argmaxes
-    and accepted count per sequence (`landing`, [bucket, length + 1]). With `mtp` (the MTP
-    proposer's graphs) the rounds draft with the MTP layer, and the history need only hold
-    each sequence's pending token at the start."""
+    and accepted count per sequence (`landing`, [bucket, length + 1]). With a `drafter` (the
+    MTP or DFlash proposer's graphs) the rounds draft with it, and the history need only hold
+    each sequence's pending token at the start; `seen` holds the rows each sequence's DFlash
+    window has taken."""
 
     def __init__(self, graphs: GraphRunner, min_n: int, max_n: int, max_len: int,
-                 max_rounds: int, mtp=None):
-        self.graphs, self.min_n, self.max_n, self.mtp = graphs, min_n, max_n, mtp
+                 max_rounds: int, drafter=None):
+        self.graphs, self.min_n, self.max_n, self.drafter = graphs, min_n, max_n, drafter
         device = graphs.tables.device
         seqs = graphs.buckets[-1]
         self.width = max_len + max_rounds * graphs.max_rows   # what the rounds may append
         self.history = torch.zeros(seqs, self.width, dtype=torch.long, device=device)
         self.used = torch.ones(seqs, dtype=torch.long, device=device)
         self.context = torch.zeros(seqs, dtype=torch.long, device=device)
+        self.seen = torch.zeros(seqs, dtype=torch.long, device=device)
         self.landing = torch.zeros(seqs, graphs.max_rows + 1, dtype=torch.long, device=device)
         # per (bucket, rows, verify): the graph, and the functions captured in it, which hold
         # tensors it reads (freed, their memory would be handed out again)
         self.graphs_by_shape: dict[tuple[int, int, bool], tuple] = {}
 
     @torch.inference_mode()
-    def run(self, layout: RowsLayout, histories: list[list[int]], rounds: int) -> list:
+    def run(self, layout: RowsLayout, histories: list[list[int]], rounds: int,
+            seen: list[int] | None = None) -> list:
         """Runs `rounds` chained rounds of the layout's sequences (one length: the pending
         token's row and the drafts'; its ids are not read), whose token histories, pending
-        token last, are `histories`. Returns per round and sequence its argmaxes, then its
-        accepted count (host lists, read with one sync)."""
+        token last, are `histories` (and whose DFlash windows have taken `seen` rows). Returns
+        per round and sequence its argmaxes, then its accepted count (host lists, read with one
+        sync)."""
         n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
         bucket = self.graphs.bucket(n)
         key = (bucket, length, verify)
@@ -88,10 +92,11 @@ class ChainRunner:
         width = max(map(len, histories))
         to_device(padded_histories(histories, width), self.history.device,
                   out=self.history[:n, :width])
-        sizes = to_device([[len(h) for h in histories], [s.context_len for s in layout.seqs]],
-                          self.history.device)
+        sizes = to_device([[len(h) for h in histories], [s.context_len for s in layout.seqs],
+                           seen or [0] * n], self.history.device)
         self.used[:n].copy_(sizes[0])
         self.context[:n].copy_(sizes[1])
+        self.seen[:n].copy_(sizes[2])
         graph = self.graphs_by_shape[key][0]
         landed = torch.empty(rounds, n, length + 1, dtype=torch.long, device=self.history.device)
         for r in range(rounds):
@@ -119,12 +124,14 @@ class ChainRunner:
         self.history[:bucket].zero_()
         self.used[:bucket] = 1
         self.context[:bucket] = 0
+        self.seen[:bucket] = 0
 
     def _round(self, bucket: int, length: int, verify: bool):
         """The work on each side of the target's step in a round's graph (see
         GraphRunner.capture_around)."""
         depth, graphs, bs = length - 1, self.graphs, self.graphs.block_size
         history, used, context = self.history[:bucket], self.used[:bucket], self.context[:bucket]
+        seen, drafter = self.seen[:bucket], self.drafter
         tables = graphs.tables[:bucket]
         rows = torch.arange(length, device=history.device)
         counts = torch.full((bucket,), depth, dtype=torch.long, device=history.device)
@@ -132,11 +139,13 @@ class ChainRunner:
 
         def before(views):
             ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
-            if self.mtp is None:
+            if drafter is None:
                 drafts, ids = draft_round(history, used, depth, self.min_n, self.max_n)
-            else:   # each stash is the MTP output at the row before the pending token
-                drafts = self.mtp.draft_chain(slots_in, context - 1, tables, depth)[0]
-                ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+            else:
+                pending = history.gather(1, used[:, None] - 1)
+                drafts = drafter.round_drafts(slots_in, pending[:, 0], context, seen, tables,
+                                              depth)
+                ids = torch.cat([pending, drafts], 1)
             positions = context[:, None] + rows
             kv = tables.gather(1, positions // bs).long() * bs + positions % bs
             ids_in.copy_(ids.view(-1))
@@ -145,16 +154,16 @@ class ChainRunner:
             context_in.copy_(context)
             step.update(ids=ids_in, drafts=drafts, slots=slots_in)
 
-        def after(logits, hidden):
+        def after(logits, hidden, captured):
             best = logits.argmax(-1)
             if verify:
                 accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
                                                              step["slots"], length)
             else:
                 accepted = greedy_counts(step["drafts"], best.view(bucket, length))
-            if self.mtp is not None:   # the committed rows: pending token, accepted drafts
-                self.mtp.catch_up_rows(best, context, accepted + 1, step["slots"], tables,
-                                       hidden, length)
+            if drafter is not None:   # the committed rows: pending token, accepted drafts
+                drafter.round_commit(best, context, accepted + 1, seen, step["slots"], tables,
+                                     hidden, captured, length)
             best = best.view(bucket, length)
             advance(history, used, context, best, accepted)
             self.landing[:bucket, :length].copy_(best)

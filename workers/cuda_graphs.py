@@ -173,10 +173,10 @@ class GraphRunner:
     def capture_around(self, bucket: int, length: int, verify: bool, before, after):
         """A graph of the step with the caller's work on each side: `before(views)` writes the
         step's per-row inputs into its buffer views (`_views`: ids, positions, KV indices, ...),
-        `after(logits, hidden)` takes its float32 logits [bucket * length, vocab] and its
-        hidden rows. Captured over padding sequences only (the capture runs the step once), so
-        it writes no sequence's caches; `prepare` then fills a real step's buffers before each
-        use."""
+        `after(logits, hidden, captured)` takes its float32 logits [bucket * length, vocab],
+        its hidden rows and those of the captured layers. Captured over padding sequences only
+        (the capture runs the step once), so it writes no sequence's caches; `prepare` then
+        fills a real step's buffers before each use."""
         return self._capture(bucket, length, verify, before, after)[0]
 
     def _capture(self, bucket: int, length: int, verify: bool, before=None, after=None):
@@ -194,7 +194,7 @@ class GraphRunner:
                 before(self._views(bucket, length, 1, self.inputs))
             hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)
             if after is not None:
-                return after(self.model.logits(hidden), hidden)
+                return after(self.model.logits(hidden), hidden, captured)
             self.out_hidden[:rows].copy_(hidden)
             for out, c in zip(self.out_captured, captured):
                 out[:rows].copy_(c)

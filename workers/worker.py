@@ -75,6 +75,7 @@ class DeviceDrafts:
 
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
 CHAIN_ROUNDS = 8   # greedy n-gram rounds a plan chains on a graph worker (Worker._execute_chain)
+LAYER_DRAFTERS = ("mtp", "dflash")   # proposers whose chained rounds draft with a captured layer
 
 
 def _check_ahead(work: list[SeqWork], sampling) -> None:
@@ -139,7 +140,7 @@ class WorkerConfig:
     capture_at_start: bool = True        # capture every decode/verify graph when starting
     warmup_prefill_rows: int = 0         # on CUDA: one dummy prefill of this many rows at start
                                          # (the step budget), compiling its kernels before serving
-    chain_rounds: int | None = None      # greedy n-gram or MTP rounds a plan may chain
+    chain_rounds: int | None = None      # greedy n-gram, MTP or DFlash rounds a plan may chain
                                          # (None: CHAIN_ROUNDS for n-gram with CUDA graphs,
                                          # else 0)
 
@@ -249,13 +250,14 @@ class Worker:
         # after the commits: a chained round commits with their index
         # (a sequence holds at most what the context and the KV cache hold; a round's lookup
         # costs the history buffer's width, whatever the sequences' lengths)
-        mtp = getattr(p, "graphs", None) if p is not None and p.method == "mtp" else None
+        drafter = getattr(p, "graphs", None) if p is not None and p.method in LAYER_DRAFTERS \
+            else None
         self.chain = ChainRunner(self.graphs, getattr(p, "min_n", 0), getattr(p, "max_n", 0),
                                  min(cfg.max_position_embeddings,
                                      self.kv.num_blocks * config.block_size),
-                                 self.capacity.chain_rounds, mtp) \
+                                 self.capacity.chain_rounds, drafter) \
             if self.graphs is not None and self.capacity.chain_rounds and (
-                p.method == "ngram" or mtp is not None) else None
+                p.method == "ngram" or drafter is not None) else None
         if self.chain is not None and config.capture_at_start:
             start = time.perf_counter()
             self.chain.capture_all([k + 1 for k in range(1, config.max_drafts + 1)],
@@ -269,18 +271,18 @@ class Worker:
         log.info("worker on %s: %s", self.device, self.memory_report())
 
     def _chain_rounds(self) -> int:
-        """Rounds a plan may chain (`_execute_chain`): with an n-gram or MTP proposer on one
-        rank only. By default n-gram rounds chain where CUDA graphs replay (elsewhere every
-        round waits for the host anyway), and MTP rounds only when asked: their chain is not
-        yet measured on a GPU (README, "Host time of a round, and MTP rounds chained on the
-        device"). Off the graph path a plan's MTP rounds run one by one."""
+        """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer on
+        one rank only. By default n-gram rounds chain where CUDA graphs replay (elsewhere every
+        round waits for the host anyway), and MTP and DFlash rounds only when asked: their
+        chains are not yet measured on a GPU (README, "DFlash rounds chained on the device").
+        Off the graph path a plan's MTP or DFlash rounds run one by one."""
         rounds = self.config.chain_rounds
         method = self.proposer.method if self.proposer is not None else "none"
         if rounds is None:
             rounds = CHAIN_ROUNDS if self.use_graphs and method == "ngram" else 0
         if rounds < 0:
             raise ValueError(f"chain_rounds must be 0 or more, not {rounds}")
-        return rounds if method in ("ngram", "mtp") and self.tp.size == 1 else 0
+        return rounds if method in ("ngram", *LAYER_DRAFTERS) and self.tp.size == 1 else 0
 
     def _make_kv_cache(self) -> PagedKVCache:
         cfg, c = self.model.config, self.config
@@ -466,34 +468,37 @@ class Worker:
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
 
     def _execute_chain(self, plan: StepPlan) -> StepResult:
-        """`steps` greedy n-gram or MTP rounds of the plan's sequences in a row
+        """`steps` greedy n-gram, MTP or DFlash rounds of the plan's sequences in a row
         (`SeqWork.steps` with drafts), every sequence verifying the same number of drafts, each
         round proposed, verified, judged and committed on the device: the next round drafts
         from the tokens the last one accepted there, and the host reads all the rounds' tokens
         with one sync at the end. Greedy verdicts are the target's argmaxes whatever the
         drafts, so the tokens are those of the rounds run one by one. On a graph worker a round
         is one replay (workers.chain); elsewhere (CPU, tests) n-gram rounds run the same tensor
-        ops eagerly, each reading its drafts back to lay out its forward, and MTP rounds run as
-        separate rounds."""
+        ops eagerly, each reading its drafts back to lay out its forward, and MTP and DFlash
+        rounds run as separate rounds."""
         start = time.perf_counter()
         work = self._fill_ahead(plan.work)
         rounds, depth = work[0].steps, max(max(w.num_drafts, w.pad_to) for w in work)
         length, verify = depth + 1, self.ssm is not None
         layout = RowsLayout.of([(w.tokens * length, w.context_len, w.block_table, w.slot, verify)
                                 for w in work], self.config.block_size)
-        mtp = self.proposer.method == "mtp"
+        method = self.proposer.method
+        layered = method in LAYER_DRAFTERS
         chained = self.chain is not None and self.graphs.eligible(layout)
-        one_by_one = mtp and not chained   # (its rounds keep the history and the stats)
+        one_by_one = layered and not chained   # (its rounds keep the history and the stats)
         if one_by_one:
             landed = self._rounds_one_by_one(work, length, rounds)
         elif chained:
             self._track_history(work)
-            if mtp:   # each stash at the row before the pending token; the history: that token
+            if layered:   # caught up to the row before each pending token, the history's one
                 self.proposer.commit_held([w.slot for w in work])
+            if method == "mtp":
                 assert all(self.proposer.stash_pos[w.slot] == w.context_len - 1 for w in work), \
                     "an MTP chain drafts from the row before each pending token"
-            histories = [w.tokens if mtp else self.history[w.slot] for w in work]
-            landed = self.chain.run(layout, histories, rounds)
+            histories = [w.tokens if layered else self.history[w.slot] for w in work]
+            seen = [self.proposer.seen[w.slot] for w in work] if method == "dflash" else None
+            landed = self.chain.run(layout, histories, rounds, seen)
         else:
             self._track_history(work)
             landed = self._chain_eagerly(work, [self.history[w.slot] for w in work], depth,
@@ -509,8 +514,10 @@ class Worker:
                 for accepted in per_round:
                     self.stats.record(depth, accepted)
                 self.history[w.slot].extend(tokens[:-1])   # the last: the next plan's pending
-            if chained and mtp:
+            if chained and method == "mtp":
                 self.proposer.stash_pos[w.slot] = w.context_len + len(tokens) - 1
+            elif chained and method == "dflash":   # each round's rows: as many as its tokens
+                self.proposer.seen[w.slot] += len(tokens)
             outcomes.append(SeqOutcome(w.seq_id, tokens, depth * rounds, sum(per_round),
                                        rounds=per_round))
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}

@@ -68,7 +68,10 @@ def test_drafter_state_after_partial_acceptance_equals_fresh_prefill(
     assert after_rounds.confidence == pytest.approx(after_prefill.confidence, abs=1e-4)
 
 
-def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
+def test_dflash_window_keeps_its_last_rows_when_full(checkpoint, dflash_drafter):
+    """A window of 8 rows, filled round by round past its size (each row into the ring in
+    place of the oldest), holds what a prefill of the same tokens leaves (its last 8 rows):
+    the same proposal."""
     model_dir = checkpoint("qwen3_5")
     kw = dict(device="cpu", block_size=4, speculative_method="dflash",
               drafter=dflash_drafter("qwen3_5"), dflash_window=8)
@@ -79,7 +82,7 @@ def test_dflash_context_slides_when_full(checkpoint, dflash_drafter):
     while len(seq.output_ids) < 12:
         llm.step()
     a = proposal_for(llm, seq, 3)   # the drafter catches up on the rows it holds
-    assert llm.worker.proposer.ctx_len[seq.slot] == 8
+    assert llm.worker.proposer.window_rows(seq.slot) == 8
     # A fresh prefill of the same tokens keeps the same last 8 rows: the same proposal.
     b = proposal_after_prefill(model_dir, kw, seq)
     assert a.tokens == b.tokens and a.confidence == pytest.approx(b.confidence, abs=1e-4)
@@ -190,7 +193,8 @@ def test_dflash_catch_up_graphs_write_what_the_eager_catch_up_writes(
     assert [o.spec.drafts_accepted for o in outs[0]] == [o.spec.drafts_accepted for o in outs[1]]
     assert wrote and all(wrote)   # every catch-up replayed a graph
     a, b = eager.worker.proposer, p
-    assert a.ctx_len == b.ctx_len and any(a.ctx_len)
-    for slot, n in enumerate(a.ctx_len):
+    assert a.seen == b.seen and any(a.seen)
+    for slot in range(len(a.seen)):
+        n = a.window_rows(slot)
         assert torch.allclose(a.ctx_k[:, slot, :n], b.ctx_k[:, slot, :n], atol=1e-5)
         assert torch.allclose(a.ctx_v[:, slot, :n], b.ctx_v[:, slot, :n], atol=1e-5)

@@ -113,11 +113,12 @@ def test_every_acceptance_length_commits_exactly(checkpoint, name, k, pad):
 
 
 @pytest.mark.parametrize("method, name", [("ngram", "qwen3"), ("ngram", "qwen3_5"),
-                                          ("mtp", "qwen3_5")])
+                                          ("mtp", "qwen3_5"), ("dflash", "qwen3_5")])
 @pytest.mark.parametrize("pad", [False, True], ids=["ragged", "padded"])
-def test_chained_rounds_are_exact(checkpoint, method, name, pad):
-    """Greedy n-gram and MTP rounds chained on the device (Worker._execute_chain; on the CPU an
-    n-gram round reads its drafts back to lay out its forward, and MTP rounds run one by one)
+def test_chained_rounds_are_exact(checkpoint, dflash_drafter, method, name, pad):
+    """Greedy n-gram, MTP and DFlash rounds chained on the device (Worker._execute_chain; on
+    the CPU an n-gram round reads its drafts back to lay out its forward, and MTP and DFlash
+    rounds run one by one)
     emit transformers' greedy tokens: with arrivals, preemption for blocks, chains cut short by
     max_tokens, and sequences that end inside a chain on a stop token. Sampled sequences are
     never chained."""
@@ -125,7 +126,8 @@ def test_chained_rounds_are_exact(checkpoint, method, name, pad):
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
     llm = LLM(model_dir, device="cpu", speculative_method=method, num_drafts=3,
               adaptive_drafts=False, kv_cache_bytes=40 * _kv_block_bytes(model_dir),
-              chain_rounds=3, pad_drafts=pad, **kw)
+              chain_rounds=3, pad_drafts=pad,
+              drafter=dflash_drafter(name) if method == "dflash" else None, **kw)
     assert llm.worker.capacity.chain_rounds == 3
     chains, execute = [], llm.worker._execute_chain
 
@@ -141,7 +143,7 @@ def test_chained_rounds_are_exact(checkpoint, method, name, pad):
     assert llm.scheduler.num_preemptions > 0
     stats = llm.scheduler.stats
     assert stats.rounds >= sum(chains) and stats.drafts_accepted < stats.drafts_proposed
-    if method == "ngram":   # (the random MTP layer drafts no token the target takes)
+    if method == "ngram":   # (random MTP and DFlash layers draft no token the target takes)
         assert stats.drafts_accepted > 0
     # a stop token ends each sequence where it first comes, inside a chain or not
     stops = [r[9] for r in refs]

@@ -147,23 +147,25 @@ def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint,
 
 
 @pytest.mark.parametrize("method, name", [("ngram", "qwen3"), ("ngram", "qwen3_5"),
-                                          ("mtp", "qwen3_5")])
-def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, method, name):
-    """On a graph worker greedy n-gram rounds chain by default, MTP rounds when asked: each
-    round's drafts, inputs, verdicts, (hybrid) SSM commit and MTP catch-up stay on the device,
-    one graph replay a round, and the host reads a chain once. The tokens are transformers'
-    greedy ones, also for sequences that stop inside a chain."""
+                                          ("mtp", "qwen3_5"), ("dflash", "qwen3_5")])
+def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, dflash_drafter,
+                                                                    method, name):
+    """On a graph worker greedy n-gram rounds chain by default, MTP and DFlash rounds when
+    asked: each round's drafts, inputs, verdicts, (hybrid) SSM commit and drafter catch-up stay
+    on the device, one graph replay a round, and the host reads a chain once. The tokens are
+    transformers' greedy ones, also for sequences that stop inside a chain."""
     model_dir = checkpoint(name)
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64,
               speculative_method=method, num_drafts=3, adaptive_drafts=False,
-              chain_rounds=CHAIN_ROUNDS if method == "mtp" else None)
+              drafter=dflash_drafter(name) if method == "dflash" else None,
+              chain_rounds=CHAIN_ROUNDS if method != "ngram" else None)
     worker = llm.worker
     assert worker.capacity.chain_rounds == CHAIN_ROUNDS and worker.graphs is not None
     # captured at start: every bucket, for 2..4 rows
     assert len(worker.chain.graphs_by_shape) == 3 * len(worker.graphs.buckets)
     chains, eager = [], []
     run, chain_eagerly = worker.chain.run, worker._chain_eagerly
-    worker.chain.run = lambda layout, h, rounds: chains.append(rounds) or run(layout, h, rounds)
+    worker.chain.run = lambda *args: chains.append(args[2]) or run(*args)
     worker._chain_eagerly = lambda *a: eager.append(1) or chain_eagerly(*a)
     one_by_one = worker._rounds_one_by_one
     worker._rounds_one_by_one = lambda *a: eager.append(1) or one_by_one(*a)
@@ -179,15 +181,18 @@ def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, 
     assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
 
 
-def test_chained_mtp_rounds_draft_what_rounds_one_by_one_draft():
-    """The bundled model's trained MTP layer, chained on the device (each round's catch-up
-    writes the stash the next round drafts from) and round by round (chain_rounds 0): the same
-    greedy tokens, and nearly as many drafts accepted (float32; the catch-ups batch their rows
-    differently). A chain that drafted from a stale stash would accept far fewer."""
-    from metrale.deploy.bundled import BUNDLED_MODEL
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_chained_rounds_of_a_trained_drafter_accept_as_rounds_one_by_one(method):
+    """The bundled model's trained MTP layer or DFlash drafter, chained on the device (each
+    round's catch-up writes the stash or context window the next round drafts from) and round
+    by round (chain_rounds 0): the same greedy tokens, and nearly as many drafts accepted
+    (float32; the catch-ups batch their rows differently). A chain that drafted from a stale
+    stash or window would accept far fewer."""
+    from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
     from metrale.deploy.gpubench import bundled_prompts
-    kw = dict(device="cuda", dtype="float32", speculative_method="mtp", num_drafts=3,
-              adaptive_drafts=False, max_num_seqs=8)
+    kw = dict(device="cuda", dtype="float32", speculative_method=method, num_drafts=3,
+              adaptive_drafts=False, max_num_seqs=8,
+              drafter=str(BUNDLED_DFLASH) if method == "dflash" else None)
     prompts = bundled_prompts(BUNDLED_MODEL, 6, 64)
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     runs = {}

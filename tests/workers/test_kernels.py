@@ -847,9 +847,9 @@ def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter):
     assert all(hasattr(layer.self_attn, "qkv") for layer in p.drafter.layers)
     llm.generate(["def schedule(self, tokens):", "The café engine"],
                  SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    slots = [s for s, n in enumerate(p.ctx_len) if n][:2]
+    slots = [s for s, n in enumerate(p.seen) if n][:2]
     args = [torch.tensor(v, device=DEVICE) for v in
-            (slots, [5, 7], [p.ctx_len[s] for s in slots], [p.ctx_len[s] for s in slots])]
+            (slots, [5, 7], [p.seen[s] for s in slots], [p.seen[s] for s in slots])]
     fused = p._block_logits(*args, p.window)
     for layer in p.drafter.layers:
         del layer.self_attn.qkv, layer.self_attn.kv, layer.mlp.gate_up
@@ -860,53 +860,68 @@ def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter):
 def _graph_path_on_cpu(monkeypatch) -> None:
     """On the CPU, workers take the graph path with each graph a _Replayed: every replay
     reruns the captured step (the Triton kernels under the interpreter)."""
-    from metrale.drafting import mtp
+    from metrale.drafting import dflash, mtp
     from metrale.workers import cuda_graphs, ssm_pool, worker
-    for module in (cuda_graphs, ssm_pool, mtp):
+    for module in (cuda_graphs, ssm_pool, mtp, dflash):
         monkeypatch.setattr(module, "capture",
                             lambda step, pool: (_Replayed(step, out := step()), out))
     monkeypatch.setattr(worker, "graphs_replay_on", lambda device: True)
 
 
-def test_chained_mtp_rounds_draft_what_rounds_one_by_one_draft(monkeypatch):
-    """The bundled model's trained MTP layer on the graph path, its greedy rounds chained on the
-    device (workers.chain: each round's catch-up writes the MTP K/V and the stash that the next
-    round drafts from, all from device values) and one plan a round (chain_rounds 0): at every
-    round of every sequence both draft the same tokens from the same position, and they emit
-    the same tokens. On the CPU only: the drafts are read at each rerun of the step, which a
-    CUDA graph's replay does not make."""
+def _record_drafts(monkeypatch, method: str, drafted: dict) -> None:
+    """Records each drafted block, by (slot, position of its pending token), into
+    drafted["now"]: from MTP's draft chain or DFlash's block forward, which every round runs,
+    chained or not."""
+    from metrale.drafting import dflash, mtp
+    if method == "mtp":
+        owner, name, at = mtp.MTPGraphs, "draft_chain", lambda args: args[1] + 1
+    else:
+        owner, name, at = dflash.DFlashProposer, "_greedy", lambda args: args[2]
+    real = getattr(owner, name)
+
+    def recorded(self, *args):
+        tokens, logp = real(self, *args)
+        for slot, position, row in zip(args[0].tolist(), at(args).tolist(), tokens.tolist()):
+            if position > 1:   # not a padding sequence's (at 0 or 1)
+                drafted["now"].setdefault((slot, position), row)
+        return tokens, logp
+    monkeypatch.setattr(owner, name, recorded)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
+    """The bundled model's trained MTP layer or DFlash drafter on the graph path, its greedy
+    rounds chained on the device (workers.chain: each round's catch-up writes what the next
+    round drafts from, MTP's K/V and stash or DFlash's context window, all from device values)
+    and one plan a round (chain_rounds 0): at every round of every sequence both draft the
+    same tokens from the same position, and they emit the same tokens. (DFlash's window of 20
+    rows fills within the prompt and rounds, so rows go into its ring in place of the oldest.)
+    On the CPU only: the
+    drafts are read at each rerun of the step, which a CUDA graph's replay does not make."""
     if DEVICE != "cpu":
         pytest.skip("reads each round's drafts from the rerun step (a GPU replays graphs)")
     from metrale.cluster.params import SamplingParams
-    from metrale.deploy.bundled import BUNDLED_MODEL
+    from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
     from metrale.deploy.gpubench import bundled_prompts
     from metrale.deploy.llm import LLM
-    from metrale.drafting import mtp
     _graph_path_on_cpu(monkeypatch)
+    drafted: dict = {}   # "now", and per chain_rounds: (slot, position) -> drafts
+    _record_drafts(monkeypatch, method, drafted)
     seats = 4
-    drafted: dict[int, dict] = {}   # chain_rounds -> (slot, stashed position) -> drafts
-    draft_chain = mtp.MTPGraphs.draft_chain
-
-    def recorded(self, slots, last, tables, k):
-        tokens, logp = draft_chain(self, slots, last, tables, k)
-        for slot, at, row in zip(slots.tolist(), last.tolist(), tokens.tolist()):
-            if slot < seats and at > 0:   # not a padding sequence's
-                drafted[rounds][slot, at] = row
-        return tokens, logp
-    monkeypatch.setattr(mtp.MTPGraphs, "draft_chain", recorded)
     prompts = bundled_prompts(BUNDLED_MODEL, 2, 16)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs, stats = {}, {}
     for rounds in (3, 0):
-        drafted[rounds] = {}
+        drafted["now"] = drafted[rounds] = {}
         llm = LLM(str(BUNDLED_MODEL), device="cpu", dtype="float32", block_size=4,
-                  attention_backend="triton", speculative_method="mtp", num_drafts=3,
-                  adaptive_drafts=False, max_num_seqs=seats, chain_rounds=rounds,
-                  capture_at_start=False)
+                  attention_backend="triton", speculative_method=method, num_drafts=3,
+                  drafter=str(BUNDLED_DFLASH) if method == "dflash" else None,
+                  dflash_window=20, adaptive_drafts=False, max_num_seqs=seats,
+                  chain_rounds=rounds, capture_at_start=False)
         assert llm.worker.graphs is not None and (llm.worker.chain is not None) == bool(rounds)
         chains, run = [], llm.worker.chain.run if rounds else None
         if rounds:
-            llm.worker.chain.run = lambda layout, h, n: chains.append(n) or run(layout, h, n)
+            llm.worker.chain.run = lambda *args: chains.append(args[2]) or run(*args)
         outs[rounds] = [o.token_ids for o in llm.generate(prompts, greedy)]
         stats[rounds] = llm.scheduler.stats
         assert bool(chains) == bool(rounds)
