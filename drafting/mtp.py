@@ -207,6 +207,7 @@ class MTPGraphs:
         self.chain_in = torch.zeros(2, n, dtype=torch.long, device=device)
         self.slots, self.last = self.chain_in
         self.tables = torch.full((n, width), spare_block, dtype=torch.int32, device=device)
+        self.sent: tuple | None = None   # (bucket, tables) last sent into `tables`
         self.graphs: dict[tuple[int, int], tuple] = {}
         # catch-up inputs: each row's next token, then each sequence's start, rows and slot
         rows = n * CATCH_UP_LENGTHS[-1]
@@ -280,7 +281,11 @@ class MTPGraphs:
 
     def _tables(self, tables: list[list[int]], bucket: int) -> None:
         """`tables` into the first rows of the static tables, the rest and the padding
-        sequences' pointing at the spare block."""
+        sequences' pointing at the spare block. Not sent again when they are the last sent (a
+        round's catch-up and drafts mostly have the same)."""
+        if self.sent is not None and self.sent[0] == bucket and self.sent[1] == tables:
+            return
+        self.sent = (bucket, [list(t) for t in tables])
         width = max(len(t) for t in tables)
         self.tables[:bucket].fill_(self.spare)
         to_device([list(t) + [self.spare] * (width - len(t)) for t in tables]
@@ -292,6 +297,7 @@ class MTPGraphs:
         self.slots[:bucket].zero_()
         self.last[:bucket].zero_()
         self.tables[:bucket].fill_(self.spare)
+        self.sent = None
         graph, out = capture(lambda: self._chain(bucket, k), self.pool)
         self.pool = graph.pool()
         return graph, *out
@@ -303,6 +309,7 @@ class MTPGraphs:
         self.caught[rows + bucket:rows + 2 * bucket].fill_(1)
         self.caught[rows + 2 * bucket:rows + 3 * bucket].fill_(self.spare_row)
         self.tables[:bucket].fill_(self.spare)
+        self.sent = None
         graph, _ = capture(lambda: self._catch_up(bucket, length), self.pool)
         self.pool = graph.pool()
         return graph

@@ -4,6 +4,7 @@ serves (paged cache, rows arriving in chunks), so a head trained by `metrale tra
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import torch
 
@@ -32,3 +33,41 @@ def test_training_and_serving_paths_agree(checkpoint):
                                        4, torch.device("cpu"))
             served.append(head(embed, rotary, chunk.input_ids, hidden[start:end], chunk, kv))
     torch.testing.assert_close(torch.cat(served), trained, atol=1e-5, rtol=1e-4)
+
+
+def test_mtp_graphs_send_block_tables_only_when_they_change(checkpoint, monkeypatch):
+    """A round's catch-up and drafts mostly read the same block tables: the second is not sent
+    again. Tables that differ (a block added, another bucket) are sent, and so is everything
+    after a capture, which points the static tables at the spare block."""
+    from metrale.deploy.llm import LLM
+    from metrale.drafting import mtp
+    llm = LLM(checkpoint("qwen3_5"), device="cpu", speculative_method="mtp", num_drafts=3)
+    spare = llm.worker.kv.num_blocks - 1
+    graphs = mtp.MTPGraphs(llm.worker.proposer, 4, spare)
+    sent = []
+    real = mtp.to_device
+    monkeypatch.setattr(mtp, "to_device", lambda *a, **kw: sent.append(1) or real(*a, **kw))
+
+    def check(tables, bucket, copies):
+        graphs._tables(tables, bucket)
+        assert len(sent) == copies
+        width = max(map(len, tables))
+        expect = [t + [spare] * (width - len(t)) for t in tables] + [[spare] * width] * (
+            bucket - len(tables))
+        assert graphs.tables[:bucket, :width].tolist() == expect
+        assert (graphs.tables[:bucket, width:] == spare).all()
+    a = [[3, 5], [7]]
+    check(a, 2, 1)
+    check([list(t) for t in a], 2, 1)          # equal tables: not sent
+    a[1].append(9)                              # the caller's lists change after a send
+    check(a, 2, 2)
+    check(a, 4, 3)                              # another bucket
+    check(a, 4, 3)
+    # a capture points them at the spare block (the step itself is not run here)
+    monkeypatch.setattr(mtp, "capture", lambda step, pool: (SimpleNamespace(pool=lambda: None),
+                                                            (None, None)))
+    for capture in (lambda: graphs._capture(4, 2), lambda: graphs._capture_catch_up(4, 1)):
+        copies = len(sent)
+        capture()
+        assert (graphs.tables[:4] == spare).all()
+        check(a, 4, copies + 1)
