@@ -895,7 +895,8 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
     round drafts from, MTP's K/V and stash or DFlash's context window, all from device values)
     and one plan a round (chain_rounds 0): at every round of every sequence both draft the
     same tokens from the same position, and they emit the same tokens. (DFlash's window of 20
-    rows fills within the prompt and rounds, so rows go into its ring in place of the oldest.)
+    rows fills within the prompt and rounds, so rows go into its ring in place of the oldest;
+    a sequence that takes a seat another left starts its drafter state afresh.)
     On the CPU only: the
     drafts are read at each rerun of the step, which a CUDA graph's replay does not make."""
     if DEVICE != "cpu":
@@ -907,8 +908,11 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
     _graph_path_on_cpu(monkeypatch)
     drafted: dict = {}   # "now", and per chain_rounds: (slot, position) -> drafts
     _record_drafts(monkeypatch, method, drafted)
-    seats = 4
-    prompts = bundled_prompts(BUNDLED_MODEL, 2, 16)
+    # two seats for three prompts: the third takes a seat the first two leave, with a fresh
+    # drafter state; its positions (from 48) are none of theirs (16.., past their ends by a
+    # chain's rounds at most)
+    seats = 2
+    prompts = bundled_prompts(BUNDLED_MODEL, 2, 16) + bundled_prompts(BUNDLED_MODEL, 1, 48)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs, stats = {}, {}
     for rounds in (3, 0):
@@ -929,6 +933,7 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
     assert stats[0].drafts_accepted > 0
     # a chain runs on past a sequence's end, and near it one plan a round drafts fewer
     chained, alone = drafted[3], drafted[0]
+    assert {slot for slot, at in chained if at >= 48} & {slot for slot, at in chained if at < 48}
     common = chained.keys() & alone.keys()
     assert len(common) >= len(alone) - 2 * len(prompts), (sorted(chained), sorted(alone))
     for key in common:
