@@ -896,9 +896,9 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
     and one plan a round (chain_rounds 0): at every round of every sequence both draft the
     same tokens from the same position, and they emit the same tokens. (DFlash's window of 20
     rows fills within the prompt and rounds, so rows go into its ring in place of the oldest;
-    a sequence that takes a seat another left starts its drafter state afresh.)
-    On the CPU only: the
-    drafts are read at each rerun of the step, which a CUDA graph's replay does not make."""
+    a sequence that takes a seat another left starts its drafter state afresh.) On the CPU
+    only: the drafts are read at each rerun of the step, which a CUDA graph's replay does not
+    make."""
     if DEVICE != "cpu":
         pytest.skip("reads each round's drafts from the rerun step (a GPU replays graphs)")
     from metrale.cluster.params import SamplingParams
