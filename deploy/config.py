@@ -59,7 +59,7 @@ class MetraleConfig(BaseModel):
     chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram, MTP or DFlash "
                                      "rounds one plan runs on the device before the host reads "
                                      "their tokens (a new request waits for the chain); "
-                                     "default: 8 for n-gram with CUDA graphs, else 0 (off).")
+                                     "default: 8 with CUDA graphs, else 0 (off).")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "

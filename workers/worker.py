@@ -74,7 +74,7 @@ class DeviceDrafts:
 
 
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
-CHAIN_ROUNDS = 8   # greedy n-gram rounds a plan chains on a graph worker (Worker._execute_chain)
+CHAIN_ROUNDS = 8   # greedy rounds a plan chains on a graph worker (Worker._execute_chain)
 LAYER_DRAFTERS = ("mtp", "dflash")   # proposers whose chained rounds draft with a captured layer
 
 
@@ -141,8 +141,7 @@ class WorkerConfig:
     warmup_prefill_rows: int = 0         # on CUDA: one dummy prefill of this many rows at start
                                          # (the step budget), compiling its kernels before serving
     chain_rounds: int | None = None      # greedy n-gram, MTP or DFlash rounds a plan may chain
-                                         # (None: CHAIN_ROUNDS for n-gram with CUDA graphs,
-                                         # else 0)
+                                         # (None: CHAIN_ROUNDS with CUDA graphs, else 0)
 
     @property
     def torch_device(self) -> torch.device:
@@ -272,14 +271,13 @@ class Worker:
 
     def _chain_rounds(self) -> int:
         """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer on
-        one rank only. By default n-gram rounds chain where CUDA graphs replay (elsewhere every
-        round waits for the host anyway), and MTP and DFlash rounds only when asked: their
-        chains are not yet measured on a GPU (README, "DFlash rounds chained on the device").
-        Off the graph path a plan's MTP or DFlash rounds run one by one."""
+        one rank only, by default CHAIN_ROUNDS where CUDA graphs replay (elsewhere every round
+        waits for the host anyway; README, "Rounds chained on the device, measured"). Off the
+        graph path a plan's MTP or DFlash rounds run one by one."""
         rounds = self.config.chain_rounds
         method = self.proposer.method if self.proposer is not None else "none"
         if rounds is None:
-            rounds = CHAIN_ROUNDS if self.use_graphs and method == "ngram" else 0
+            rounds = CHAIN_ROUNDS if self.use_graphs else 0
         if rounds < 0:
             raise ValueError(f"chain_rounds must be 0 or more, not {rounds}")
         return rounds if method in ("ngram", *LAYER_DRAFTERS) and self.tp.size == 1 else 0

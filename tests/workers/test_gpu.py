@@ -150,15 +150,14 @@ def test_greedy_verifies_commit_their_ssm_states_before_the_verdicts(checkpoint,
                                           ("mtp", "qwen3_5"), ("dflash", "qwen3_5")])
 def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, dflash_drafter,
                                                                     method, name):
-    """On a graph worker greedy n-gram rounds chain by default, MTP and DFlash rounds when
-    asked: each round's drafts, inputs, verdicts, (hybrid) SSM commit and drafter catch-up stay
-    on the device, one graph replay a round, and the host reads a chain once. The tokens are
-    transformers' greedy ones, also for sequences that stop inside a chain."""
+    """On a graph worker greedy n-gram, MTP and DFlash rounds chain by default: each round's
+    drafts, inputs, verdicts, (hybrid) SSM commit and drafter catch-up stay on the device, one
+    graph replay a round, and the host reads a chain once. The tokens are transformers' greedy
+    ones, also for sequences that stop inside a chain."""
     model_dir = checkpoint(name)
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64,
               speculative_method=method, num_drafts=3, adaptive_drafts=False,
-              drafter=dflash_drafter(name) if method == "dflash" else None,
-              chain_rounds=CHAIN_ROUNDS if method != "ngram" else None)
+              drafter=dflash_drafter(name) if method == "dflash" else None)
     worker = llm.worker
     assert worker.capacity.chain_rounds == CHAIN_ROUNDS and worker.graphs is not None
     # captured at start: every bucket, for 2..4 rows
