@@ -1,7 +1,8 @@
 """Greedy n-gram, MTP or DFlash rounds chained on the device: one CUDA graph replay a round.
 
 A chained round drafts (n-gram: from each sequence's history, `ngram_drafts_on_device`; MTP
-and DFlash: their drafter's `round_drafts`, from each slot's stash or context window), lays out
+and DFlash: their drafter's `round_drafts`, from each slot's stash or context window; none in a
+round of depth 0, a plain decode step that still feeds the drafter), lays out
 its verify rows, runs the target, counts the accepted drafts, commits a hybrid's SSM states,
 feeds a drafter the committed rows (`round_commit`: MTP's K/V and stash, DFlash's context
 window) and appends the round's tokens to the history, all inside one graph over static
@@ -31,8 +32,11 @@ def draft_round(history: torch.Tensor, used: torch.Tensor, depth: int, min_n: in
                 max_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A round's drafts [S, depth] and its rows' ids [S, depth + 1] (the pending token, the
     history's last, then the drafts)."""
+    pending = history.gather(1, used[:, None] - 1)
+    if not depth:   # a plain decode step
+        return pending[:, :0], pending
     drafts = ngram_drafts_on_device(history, used, depth, min_n, max_n)
-    return drafts, torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+    return drafts, torch.cat([pending, drafts], 1)
 
 
 def greedy_counts(drafts: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -139,7 +143,7 @@ class ChainRunner:
 
         def before(views):
             ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
-            if drafter is None:
+            if drafter is None or not depth:
                 drafts, ids = draft_round(history, used, depth, self.min_n, self.max_n)
             else:
                 pending = history.gather(1, used[:, None] - 1)

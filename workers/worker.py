@@ -259,6 +259,7 @@ class Worker:
                 p.method == "ngram" or drafter is not None) else None
         if self.chain is not None and config.capture_at_start:
             start = time.perf_counter()
+            self.chain.capture_all([1], verify=False)   # the draft policy's k = 0
             self.chain.capture_all([k + 1 for k in range(1, config.max_drafts + 1)],
                                    verify=cfg.is_hybrid)
             log.info("captured %d chained-round graphs in %.1fs",
@@ -421,8 +422,8 @@ class Worker:
         if not plan.work:
             return StepResult()
         if any(w.steps > 1 for w in plan.work):
-            chained = any(w.num_drafts or w.pad_to for w in plan.work)
-            return self._execute_chain(plan) if chained else self._execute_steps(plan)
+            return self._execute_chain(plan) if self._chains(plan.work) else \
+                self._execute_steps(plan)
         start = time.perf_counter()
         work = self._fill_ahead(plan.work)
         self._track_history(work)
@@ -465,9 +466,20 @@ class Worker:
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
 
+    def _chains(self, work: list[SeqWork]) -> bool:
+        """Whether a plan of several steps is a chain of rounds (`_execute_chain`): it has
+        drafts, or it is greedy decoding on a worker whose proposer chains (rounds of depth 0,
+        which the draft policy chose, feed the drafter as verifies do); else plain decode
+        steps (`_execute_steps`)."""
+        if any(w.num_drafts or w.pad_to for w in work):
+            return True
+        return bool(self.capacity.chain_rounds) and all(
+            len(w.tokens) == 1 and w.sample is not None and self._plain_greedy(w) for w in work)
+
     def _execute_chain(self, plan: StepPlan) -> StepResult:
         """`steps` greedy n-gram, MTP or DFlash rounds of the plan's sequences in a row
-        (`SeqWork.steps` with drafts), every sequence verifying the same number of drafts, each
+        (`SeqWork.steps`), every sequence verifying the same number of drafts (0 included: plain
+        decode steps, which feed an MTP or DFlash drafter as its verifies do), each
         round proposed, verified, judged and committed on the device: the next round drafts
         from the tokens the last one accepted there, and the host reads all the rounds' tokens
         with one sync at the end. Greedy verdicts are the target's argmaxes whatever the
@@ -478,7 +490,7 @@ class Worker:
         start = time.perf_counter()
         work = self._fill_ahead(plan.work)
         rounds, depth = work[0].steps, max(max(w.num_drafts, w.pad_to) for w in work)
-        length, verify = depth + 1, self.ssm is not None
+        length, verify = depth + 1, self.ssm is not None and depth > 0
         layout = RowsLayout.of([(w.tokens * length, w.context_len, w.block_table, w.slot, verify)
                                 for w in work], self.config.block_size)
         method = self.proposer.method

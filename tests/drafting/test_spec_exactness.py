@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -154,6 +155,31 @@ def test_chained_rounds_are_exact(checkpoint, dflash_drafter, method, name, pad)
     chains.clear()
     llm.generate(prompts[:2], SamplingParams(max_tokens=12, temperature=0.8, seed=3))
     assert not chains
+
+
+@pytest.mark.parametrize("method, name", [("ngram", "qwen3_5"), ("mtp", "qwen3_5"),
+                                          ("dflash", "qwen3_5")])
+def test_chains_without_drafts_are_exact(checkpoint, dflash_drafter, method, name):
+    """Where the draft policy chooses k = 0, the plan chains plain decode steps (depth 0),
+    which feed the drafter as verifies do, so a chain of drafts after them drafts from every
+    token: the policy here alternates 3 and 0 plan by plan, and the tokens are transformers'
+    greedy ones."""
+    model_dir = checkpoint(name)
+    llm = LLM(model_dir, device="cpu", speculative_method=method, num_drafts=3,
+              block_size=4, max_num_seqs=4, max_num_batched_tokens=24, chain_rounds=3,
+              drafter=dflash_drafter(name) if method == "dflash" else None)
+    ks = itertools.cycle([3, 0])
+    llm.scheduler.drafts.choose = lambda batch, seqs=None: next(ks)
+    chains, execute = [], llm.worker._execute_chain
+
+    def recorded(plan):
+        chains.append((max(w.num_drafts for w in plan.work), plan.work[0].steps))
+        return execute(plan)
+    llm.worker._execute_chain = recorded
+    prompts = [llm.encode(p) for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference(model_dir, prompts, 20)
+    assert (0, 3) in chains and (3, 3) in chains, chains
 
 
 def test_chains_stop_at_the_context_and_skip_logprobs(checkpoint):
