@@ -194,10 +194,17 @@ class DFlashProposer:
     def commit(self, rows: list[CommittedRows]) -> None:
         self._catch_up(self.held.add(rows))
 
-    def commit_held(self, slots: list[int]) -> None:
-        """Catches the slots up on every row they hold (before a chain of rounds drafts from
-        their windows on the device)."""
+    def before_chain(self, slots: list[int], context_lens: list[int]) -> list[int]:
+        """Before a chain of rounds drafts on the device (workers.chain): catches the slots up
+        on every row they hold; returns the rows each window has taken (`seen`), where the
+        chain's rounds go on writing the ring."""
         self._catch_up(self.held.take(slots))
+        return [self.seen[s] for s in slots]
+
+    def after_chain(self, slot: int, context_len: int, tokens: int) -> None:
+        """After a chain that emitted `tokens`: its rounds wrote a row into the window for each
+        (the pending token and the accepted drafts of every round)."""
+        self.seen[slot] += tokens
 
     def window_rows(self, slot: int) -> int:
         """Context rows the slot's window holds."""

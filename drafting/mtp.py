@@ -107,10 +107,18 @@ class MTPProposer:
     def commit(self, rows: list[CommittedRows]) -> None:
         self._catch_up(self.held.add(rows))
 
-    def commit_held(self, slots: list[int]) -> None:
-        """Catches the slots up on every row they hold: each stash is then at the slot's last
-        committed row (before a chain of rounds drafts from it on the device)."""
+    def before_chain(self, slots: list[int], context_lens: list[int]) -> None:
+        """Before a chain of rounds drafts on the device (workers.chain): catches the slots up
+        on every row they hold, so each stash is at the row before its pending token (position
+        context_len - 1). The chain needs nothing else from the host."""
         self._catch_up(self.held.take(slots))
+        assert all(self.stash_pos[s] == c - 1 for s, c in zip(slots, context_lens)), \
+            "an MTP chain drafts from the row before each pending token"
+
+    def after_chain(self, slot: int, context_len: int, tokens: int) -> None:
+        """After a chain that emitted `tokens` from context_len: its rounds' catch-ups left the
+        stash at the row before the next pending token."""
+        self.stash_pos[slot] = context_len + tokens - 1
 
     @torch.inference_mode()
     def _catch_up(self, rows: list[CommittedRows]) -> None:

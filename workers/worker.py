@@ -493,21 +493,16 @@ class Worker:
         length, verify = depth + 1, self.ssm is not None and depth > 0
         layout = RowsLayout.of([(w.tokens * length, w.context_len, w.block_table, w.slot, verify)
                                 for w in work], self.config.block_size)
-        method = self.proposer.method
-        layered = method in LAYER_DRAFTERS
+        layered = self.proposer.method in LAYER_DRAFTERS
         chained = self.chain is not None and self.graphs.eligible(layout)
         one_by_one = layered and not chained   # (its rounds keep the history and the stats)
         if one_by_one:
             landed = self._rounds_one_by_one(work, length, rounds)
         elif chained:
             self._track_history(work)
-            if layered:   # caught up to the row before each pending token, the history's one
-                self.proposer.commit_held([w.slot for w in work])
-            if method == "mtp":
-                assert all(self.proposer.stash_pos[w.slot] == w.context_len - 1 for w in work), \
-                    "an MTP chain drafts from the row before each pending token"
+            seen = self.proposer.before_chain([w.slot for w in work],
+                                              [w.context_len for w in work]) if layered else None
             histories = [w.tokens if layered else self.history[w.slot] for w in work]
-            seen = [self.proposer.seen[w.slot] for w in work] if method == "dflash" else None
             landed = self.chain.run(layout, histories, rounds, seen)
         else:
             self._track_history(work)
@@ -524,10 +519,8 @@ class Worker:
                 for accepted in per_round:
                     self.stats.record(depth, accepted)
                 self.history[w.slot].extend(tokens[:-1])   # the last: the next plan's pending
-            if chained and method == "mtp":
-                self.proposer.stash_pos[w.slot] = w.context_len + len(tokens) - 1
-            elif chained and method == "dflash":   # each round's rows: as many as its tokens
-                self.proposer.seen[w.slot] += len(tokens)
+            if chained and layered:
+                self.proposer.after_chain(w.slot, w.context_len, len(tokens))
             outcomes.append(SeqOutcome(w.seq_id, tokens, depth * rounds, sum(per_round),
                                        rounds=per_round))
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
@@ -538,7 +531,7 @@ class Worker:
         """A chain's rounds without its graphs: the same tensor ops, each round's drafts read
         back to lay out an eager forward. Returns what ChainRunner.run returns."""
         n, length, dev = len(work), depth + 1, self.device
-        verify, bs = self.ssm is not None, self.config.block_size
+        verify, bs = self.ssm is not None and depth > 0, self.config.block_size
         history = to_device(padded_histories(histories, max(map(len, histories)) + rounds * length),
                             dev)
         used = to_device([len(h) for h in histories], dev)

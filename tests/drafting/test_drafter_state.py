@@ -101,7 +101,7 @@ def test_drafter_catches_up_on_rows_held_through_rounds_without_drafts(
     held = llm.worker.proposer.held
     held.limit = limit
     rounds = iter([0] * 5 + [3] + [0] * 2 + [3] + [0] * 40)
-    llm.scheduler.drafts.choose = lambda batch: next(rounds)
+    llm.scheduler.drafts.choose = lambda batch, seqs=None: next(rounds)
     rid = llm.add_request(llm.encode(PROMPTS[2]), GREEDY)
     seq = llm.scheduler.by_request[rid][0]
     while len(seq.output_ids) < 16:
@@ -132,7 +132,7 @@ def test_a_round_of_drafts_after_many_without_catches_up_as_a_round_does(
         len(r.tokens) for r in rows) or catch_up(rows))
     rounds = iter([0] * 40 + [3] * 20)
 
-    def choose(batch):
+    def choose(batch, seqs=None):
         k = next(rounds)
         if k and None not in caught:
             caught.append(None)

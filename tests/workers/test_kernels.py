@@ -939,3 +939,45 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
     for key in common:
         n = min(len(chained[key]), len(alone[key]))
         assert chained[key][:n] == alone[key][:n], (key, chained, alone)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypatch, method):
+    """Where the draft policy chooses k = 0 (here every other plan), a graph worker chains plain
+    decode steps on the device, each feeding the trained MTP layer or DFlash drafter from the
+    step's own device values (`round_commit`), as the host feeds it after steps run one by one
+    (`_execute_steps`). The chains of drafts after them draft the same tokens at every round
+    of every sequence. On the CPU only, as the test above."""
+    if DEVICE != "cpu":
+        pytest.skip("reads each round's drafts from the rerun step (a GPU replays graphs)")
+    import itertools
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
+    from metrale.deploy.gpubench import bundled_prompts
+    from metrale.deploy.llm import LLM
+    from metrale.workers.worker import Worker
+    _graph_path_on_cpu(monkeypatch)
+    drafted: dict = {}
+    _record_drafts(monkeypatch, method, drafted)
+    prompts = bundled_prompts(BUNDLED_MODEL, 2, 16) + bundled_prompts(BUNDLED_MODEL, 1, 48)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs, plain = {}, {}
+    for on_device in (True, False):
+        if not on_device:   # plain steps of a plan run one by one, fed from the host
+            monkeypatch.setattr(Worker, "_chains", lambda self, work: any(
+                w.num_drafts or w.pad_to for w in work))
+        drafted["now"] = drafted[on_device] = {}
+        llm = LLM(str(BUNDLED_MODEL), device="cpu", dtype="float32", block_size=4,
+                  attention_backend="triton", speculative_method=method, num_drafts=3,
+                  drafter=str(BUNDLED_DFLASH) if method == "dflash" else None,
+                  dflash_window=20, max_num_seqs=2, chain_rounds=3, capture_at_start=False)
+        ks = itertools.cycle([3, 0])
+        llm.scheduler.drafts.choose = lambda batch, seqs=None: next(ks)
+        lengths, run = [], llm.worker.chain.run
+        llm.worker.chain.run = lambda layout, *a: (lengths.append(layout.uniform_length)
+                                                   or run(layout, *a))
+        outs[on_device] = [o.token_ids for o in llm.generate(prompts, greedy)]
+        plain[on_device] = lengths.count(1)
+    assert outs[True] == outs[False]
+    assert plain[True] >= 3 and plain[False] == 0   # chains of plain steps ran on the device
+    assert len(drafted[True]) >= 10 and drafted[True] == drafted[False]
