@@ -28,7 +28,8 @@ class SeqWork:
     constraint: TokenConstraint | None = None
     steps: int = 1             # decode steps in a row: each after the first runs the token the
                                # step before sampled (plain decoding; Worker._execute_steps);
-                               # with drafts, rounds chained on the device (Worker._execute_chain)
+                               # with drafts, or greedy without on a worker that chains,
+                               # rounds chained on the device (Worker._execute_chain)
 
 
 @dataclass

@@ -468,12 +468,12 @@ class Worker:
 
     def _chains(self, work: list[SeqWork]) -> bool:
         """Whether a plan of several steps is a chain of rounds (`_execute_chain`): it has
-        drafts, or it is greedy decoding on a worker whose proposer chains (rounds of depth 0,
-        which the draft policy chose, feed the drafter as verifies do); else plain decode
-        steps (`_execute_steps`)."""
+        drafts, or it is greedy decoding, every sequence as many steps, on a worker whose
+        proposer chains (rounds of depth 0, which the draft policy chose, feed the drafter as
+        verifies do); else plain decode steps (`_execute_steps`, each sequence its own count)."""
         if any(w.num_drafts or w.pad_to for w in work):
             return True
-        return bool(self.capacity.chain_rounds) and all(
+        return bool(self.capacity.chain_rounds) and len({w.steps for w in work}) == 1 and all(
             len(w.tokens) == 1 and w.sample is not None and self._plain_greedy(w) for w in work)
 
     def _execute_chain(self, plan: StepPlan) -> StepResult:

@@ -182,6 +182,26 @@ def test_chains_without_drafts_are_exact(checkpoint, dflash_drafter, method, nam
     assert (0, 3) in chains and (3, 3) in chains, chains
 
 
+def test_plain_steps_chain_only_when_greedy_and_as_many_for_every_sequence(checkpoint):
+    """A plan of several steps without drafts is a chain of depth 0 on a worker that chains, if
+    every sequence decodes greedily for the same number of steps (a chain runs one count for
+    all, and writes rows for all of them); otherwise its steps run one by one."""
+    from metrale.cluster.plan import SeqWork
+    from metrale.workers.sampler import SamplingSpec
+    llm = LLM(checkpoint("qwen3_5"), device="cpu", speculative_method="mtp", num_drafts=3,
+              chain_rounds=3)
+    greedy, sampled = SamplingSpec(0.0, 1.0, 0, 0.0, 1, 0), SamplingSpec(0.8, 1.0, 0, 0.0, 1, 0)
+    work = [SeqWork(i, [5], 8, [i], i, greedy, steps=3) for i in range(2)]
+    chains = llm.worker._chains
+    assert chains(work)
+    assert not chains([work[0], SeqWork(1, [5], 8, [1], 1, greedy, steps=2)])
+    assert not chains([work[0], SeqWork(1, [5], 8, [1], 1, sampled, steps=3)])
+    assert chains([work[0], SeqWork(1, [5], 8, [1], 1, sampled, num_drafts=2, steps=3)])
+    plain = LLM(checkpoint("qwen3_5"), device="cpu", speculative_method="mtp", num_drafts=3,
+                chain_rounds=0)
+    assert not plain.worker._chains(work)
+
+
 def test_chains_stop_at_the_context_and_skip_logprobs(checkpoint):
     """A chain never writes past the context (its rounds are cut to what max_model_len leaves),
     and requests asking for logprobs run one round per plan; both keep the greedy tokens."""
