@@ -943,12 +943,12 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
 
 @pytest.mark.parametrize("method", ["mtp", "dflash", "ngram"])
 def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypatch, method):
-    """Where the draft policy chooses k = 0 (here every other plan), a graph worker chains plain
-    decode steps on the device, each feeding the trained MTP layer or DFlash drafter from the
-    step's own device values (`round_commit`), as the host feeds it after steps run one by one
-    (`_execute_steps`). The chains of drafts after them draft the same tokens at every round
-    of every sequence (n-gram: the history on the device grows by each step's token, and the
-    tokens are the same). On the CPU only, as the test above."""
+    """Where the draft policy chooses k = 0 (here every other plan, from the first), a graph
+    worker chains plain decode steps on the device, each feeding the trained MTP layer or
+    DFlash drafter from the step's own device values (`round_commit`), as the host feeds it
+    after steps run one by one (`_execute_steps`). The chains of drafts after them draft the
+    same tokens at every round of every sequence (n-gram: the history on the device grows by
+    each step's token, and the tokens are the same). On the CPU only, as the test above."""
     if DEVICE != "cpu":
         pytest.skip("reads each round's drafts from the rerun step (a GPU replays graphs)")
     import itertools
@@ -973,7 +973,7 @@ def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypat
                   attention_backend="triton", speculative_method=method, num_drafts=3,
                   drafter=str(BUNDLED_DFLASH) if method == "dflash" else None,
                   dflash_window=20, max_num_seqs=2, chain_rounds=3, capture_at_start=False)
-        ks = itertools.cycle([3, 0])
+        ks = itertools.cycle([0, 3])
         llm.scheduler.drafts.choose = lambda batch, seqs=None: next(ks)
         lengths, run = [], llm.worker.chain.run
         llm.worker.chain.run = lambda layout, *a: (lengths.append(layout.uniform_length)
@@ -981,6 +981,7 @@ def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypat
         outs[on_device] = [o.token_ids for o in llm.generate(prompts, greedy)]
         plain[on_device] = lengths.count(1)
     assert outs[True] == outs[False]
-    assert plain[True] >= 3 and plain[False] == 0   # chains of plain steps ran on the device
-    if method != "ngram":
-        assert len(drafted[True]) >= 10 and drafted[True] == drafted[False]
+    assert plain[True] >= 2 and plain[False] == 0   # chains of plain steps ran on the device
+    if method != "ngram":   # (9 rounds of drafts here for DFlash: 2 sequences, 16 tokens)
+        assert len(drafted[True]) >= 8, drafted[True]
+        assert drafted[True] == drafted[False]
