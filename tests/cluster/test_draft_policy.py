@@ -26,6 +26,14 @@ def verify_by_rows(batch, k):
     return 0.0001 * batch * k, 0.0005 * batch * (k + 1)
 
 
+def accepted_of(k, accept, rng):
+    """Drafts accepted of k, each with probability `accept` once those before it were."""
+    j = 0
+    while j < k and rng.random() < accept:
+        j += 1
+    return j
+
+
 def simulate(policy, rounds, batch, accept, cost, rng):
     """`rounds` rounds of `batch` sequences that accept each draft with probability `accept`,
     each round taking cost(batch, k); returns the ks the policy chose, each with whether it was
@@ -34,13 +42,7 @@ def simulate(policy, rounds, batch, accept, cost, rng):
     for _ in range(rounds):
         k = policy.choose(batch)
         ks.append((k, policy.probed))
-        outcomes = []
-        for _ in range(batch):
-            j = 0
-            while j < k and rng.random() < accept:
-                j += 1
-            outcomes.append((k, j))
-        policy.record_acceptance(outcomes)
+        policy.record_acceptance([(k, accepted_of(k, accept, rng)) for _ in range(batch)])
         policy.record_cost(batch, batch * k, *cost(batch, k))
     return ks
 
@@ -186,14 +188,6 @@ def test_the_estimates_follow_the_sequences_left_when_a_batch_ends():
     simulate(policy, 1, 2, 0.0, block_drafter, rng)   # the first round of batch 2: k = 7's warm-up
     ks = without_probes(simulate(policy, 40, 2, 0.0, block_drafter, rng))
     assert ks[0] == 7 and 0 in ks[:15] and set(ks[-20:]) == {0}
-
-
-def accepted_of(k, accept, rng):
-    """Drafts accepted of k, each with probability `accept` once those before it were."""
-    j = 0
-    while j < k and rng.random() < accept:
-        j += 1
-    return j
 
 
 def test_a_batchs_last_sequences_are_judged_by_their_own_drafts():
