@@ -42,15 +42,17 @@ class Acceptance:
         """(drafts asked for, drafts accepted) of rounds; positions a round did not reach keep
         their history."""
         positions = len(self.tried)
-        tried, accepted = [0] * positions, [0] * positions
+        reached, took = [0] * (positions + 1), [0] * (positions + 1)   # by drafts tried, accepted
         for proposed, acc in outcomes:
-            for i in range(min(proposed, acc + 1, positions)):
-                tried[i] += 1
-                accepted[i] += i < acc
-        for i, n in enumerate(tried):
+            tried = min(proposed, acc + 1, positions)
+            reached[tried] += 1
+            took[min(acc, tried)] += 1
+        n = a = 0   # rounds that tried, and that accepted, position i: those reaching past it
+        for i in range(positions - 1, -1, -1):
+            n, a = n + reached[i + 1], a + took[i + 1]
             if n:
                 self.tried[i] = DECAY ** n * self.tried[i] + n
-                self.accepted[i] = DECAY ** n * self.accepted[i] + accepted[i]
+                self.accepted[i] = DECAY ** n * self.accepted[i] + a
 
     def rates(self, prior: list[float], weight: float) -> list[float]:
         """The acceptance rate at each position, its counts added to `weight` drafts at the
@@ -243,8 +245,13 @@ class DraftPolicy:
         if not seqs:
             return self._expected_tokens()
         pooled = self.acceptance_at()
-        each = [expected_tokens(s.rates(pooled, SEQ_WEIGHT) if s else pooled) for s in seqs]
+        each = [self._own_tokens(s, pooled) for s in seqs]
         return [sum(column) / len(each) for column in zip(*each)]
+
+    @staticmethod
+    def _own_tokens(seq: Acceptance | None, pooled: list[float]) -> list[float]:
+        """expected_tokens at a sequence's own rates, which start from the `pooled` ones."""
+        return expected_tokens(seq.rates(pooled, SEQ_WEIGHT) if seq else pooled)
 
     def acceptance_at(self) -> list[float]:
         """The pooled acceptance rate at each draft position."""
@@ -293,7 +300,8 @@ class DraftPolicy:
         drafted = [(min(proposed, self.max_drafts), acc, s)
                    for (proposed, acc), s in zip(outcomes, seqs) if proposed]
         if self.zero_probe is not None and drafted:   # while 0 is the best, the probe's drafts
-            surprise = sum(acc - self.round_tokens([s])[k] + 1
+            pooled = self.acceptance_at()
+            surprise = sum(acc - self._own_tokens(s, pooled)[k] + 1
                            for k, acc, s in drafted) / len(drafted)
             self.probes[self.zero_probe].again = surprise >= SURPRISE
             self.zero_probe = None

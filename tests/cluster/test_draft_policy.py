@@ -8,8 +8,8 @@ import random
 import pytest
 
 from conftest import PROMPTS
-from metrale.cluster.draft_policy import (PROBE_EVERY, PROBE_MOST, Acceptance, DraftPolicy,
-                                          StepCost)
+from metrale.cluster.draft_policy import (DECAY, PROBE_EVERY, PROBE_MOST, Acceptance,
+                                          DraftPolicy, StepCost)
 from metrale.cluster.params import SamplingParams
 from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
@@ -231,6 +231,9 @@ def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accept
     policy.record_acceptance([(3, 0), (3, 1), (3, 3), (1, 1), (0, 0)])
     assert policy.pooled.tried == [4, 2, 1]
     assert policy.pooled.accepted == [3, 1, 1]
+    policy.record_acceptance([(2, 1)])   # the history fades per draft tried at each position
+    assert policy.pooled.tried == pytest.approx([DECAY * 4 + 1, DECAY * 2 + 1, 1])
+    assert policy.pooled.accepted == pytest.approx([DECAY * 3 + 1, DECAY * 1, 1])
 
 
 def test_expected_tokens_and_step_time_estimates():
