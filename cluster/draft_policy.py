@@ -7,8 +7,6 @@ from collections import deque
 
 PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured...
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
-SEQ_WEIGHT = 4.0     # a sequence's own rate at a position starts from the pooled one, worth
-                     # this many of its drafts there
 DECAY = 0.95         # per draft seen at a position: its history's weight halves in ~14 drafts
 COST_SAMPLES = 5     # a (batch bucket, k)'s step time is the median of its latest 5 rounds...
 CONFIRMED = 3        # ...and it is settled once 3 have been measured (a stall is then outvoted)
@@ -24,51 +22,6 @@ SURPRISE = 1.0       # a probe from k = 0 whose sequences accepted 1 draft more 
 def batch_bucket(batch: int) -> int:
     """Batch sizes share a cost model per power of two: 1, 2, 4, 8, ..."""
     return 1 << max(batch - 1, 0).bit_length()
-
-
-class Acceptance:
-    """Decayed counts, per draft position, of drafts tried and accepted: draft i is tried when
-    drafts 1..i-1 were accepted. The history fades per draft seen, not per step: a step of 32
-    sequences outweighs the ones before it, so pooled estimates follow the sequences now
-    running. When a batch ends, the last sequences often are those whose drafts fail (they
-    finish last), and a decay per step kept the full batch's acceptance for them for some 40
-    rounds of a batch of 2 and of 1."""
-
-    def __init__(self, positions: int):
-        self.tried = [0.0] * positions
-        self.accepted = [0.0] * positions
-
-    def record(self, outcomes: list[tuple[int, int]]) -> None:
-        """(drafts asked for, drafts accepted) of rounds; positions a round did not reach keep
-        their history."""
-        positions = len(self.tried)
-        reached, took = [0] * (positions + 1), [0] * (positions + 1)   # by drafts tried, accepted
-        for proposed, acc in outcomes:
-            tried = min(proposed, acc + 1, positions)
-            reached[tried] += 1
-            took[min(acc, tried)] += 1
-        n = a = 0   # rounds that tried, and that accepted, position i: those reaching past it
-        for i in range(positions - 1, -1, -1):
-            n, a = n + reached[i + 1], a + took[i + 1]
-            if n:
-                self.tried[i] = DECAY ** n * self.tried[i] + n
-                self.accepted[i] = DECAY ** n * self.accepted[i] + a
-
-    def rates(self, prior: list[float], weight: float) -> list[float]:
-        """The acceptance rate at each position, its counts added to `weight` drafts at the
-        `prior` rate."""
-        return [(acc + p * weight) / (tried + weight)
-                for acc, tried, p in zip(self.accepted, self.tried, prior)]
-
-
-def expected_tokens(rates: list[float]) -> list[float]:
-    """Committed tokens of a sequence's round of k drafts, for every k: the bonus or
-    replacement token, plus draft i when it and every draft before it are accepted."""
-    out, reach = [1.0], 1.0
-    for a in rates:
-        reach *= a
-        out.append(out[-1] + reach)
-    return out
 
 
 class StepCost:
@@ -137,14 +90,12 @@ class DraftPolicy:
     """Chooses the drafts per sequence of a round, 0..max_drafts, that maximise expected committed
     tokens per second: E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j being the measured
     probability that draft j is accepted when drafts 1..j-1 were, over the measured step time of
-    k drafts at this batch size. The a_j are each sequence's own where the scheduler names the
-    round's sequences (their mean E[tokens | k] counts), pooled over all sequences otherwise:
-    sequences differ, and a batch's last ones are often those whose drafts fail. Not adaptive,
-    it always answers max_drafts."""
+    k drafts at this batch size. Not adaptive, it always answers max_drafts."""
 
     def __init__(self, max_drafts: int, adaptive: bool = True):
         self.max_drafts, self.adaptive = max_drafts, adaptive and max_drafts > 0
-        self.pooled = Acceptance(max_drafts)              # every sequence's drafts
+        self.tried = [0.0] * max_drafts       # decayed counts per draft position
+        self.accepted = [0.0] * max_drafts
         self.costs: dict[int, dict[int, StepCost]] = {}   # batch bucket -> k -> measured cost
         self.chosen: dict[int, int] = {}                  # batch bucket -> k of its last round
         self.probes: dict[int, Probes] = {}               # batch bucket -> its probe schedule
@@ -154,9 +105,8 @@ class DraftPolicy:
 
     # -- the choice ---------------------------------------------------------------------
 
-    def choose(self, batch: int, seqs: list[Acceptance | None] | None = None) -> int:
-        """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence),
-        whose own acceptance histories are `seqs` (None: not known, the pooled rates count).
+    def choose(self, batch: int) -> int:
+        """k for a round of `batch` decoding sequences (the scheduler then caps it per sequence).
         Now and then a round is a probe (see Probes). One slow round must not rule a k out for
         good, so a probe first measures again an unsettled k (fewer than CONFIRMED rounds
         measured) that could win: one that would beat the best k's rate by PROBE_GAIN if it
@@ -169,10 +119,9 @@ class DraftPolicy:
         if not self.adaptive:
             return self.max_drafts
         bucket = batch_bucket(batch)
-        tokens = self.round_tokens(seqs)
-        rates = self.rates(bucket, tokens)
+        rates = self.rates(bucket)
         k = self.best(bucket, rates)
-        unsettled = self._could_win(bucket, k, rates[k], tokens) if rates else []
+        unsettled = self._could_win(bucket, k, rates[k]) if rates else []
         probes = self.probes.setdefault(bucket, Probes())
         self.probed = probes.due(k, bool(unsettled))
         if self.probed:
@@ -186,7 +135,7 @@ class DraftPolicy:
         self.chosen[bucket] = self.last_k = k
         return k
 
-    def _could_win(self, bucket: int, best: int, rate: float, tokens: list[float]) -> list[int]:
+    def _could_win(self, bucket: int, best: int, rate: float) -> list[int]:
         """The bucket's unsettled ks other than `best` that could beat `rate`, the likeliest
         first: each at the expected tokens of its drafts over the time measured at the nearest
         smaller k, as if the drafts beyond that k were free; k = 0 over the least time measured
@@ -197,7 +146,7 @@ class DraftPolicy:
         if all(c.settled for c in costs.values()):
             return []
         measured = {m: c.seconds for m, c in costs.items() if c.samples}
-        rated = []
+        tokens, rated = self._expected_tokens(), []
         for m, c in costs.items():
             below = max((j for j in measured if j < m), default=None)
             if m == best or c.settled:
@@ -213,15 +162,14 @@ class DraftPolicy:
         return min((t[0].seconds for b, t in self.costs.items()
                     if b < below and 0 in t and t[0].samples), default=None)
 
-    def rates(self, bucket: int, tokens: list[float] | None = None) -> list[float] | None:
-        """Expected tokens per second of each k, 0..max_drafts, from the expected tokens of a
-        sequence's round (`tokens`, default the pooled ones); None before any step of this
+    def rates(self, bucket: int) -> list[float] | None:
+        """Expected tokens per second of each k, 0..max_drafts; None before any step of this
         bucket (or a neighbour) is timed."""
         table = self._cost_table(bucket)
         if not table:
             return None
-        return [t / self.step_seconds(table, k)
-                for k, t in enumerate(tokens or self._expected_tokens())]
+        return [tokens / self.step_seconds(table, k)
+                for k, tokens in enumerate(self._expected_tokens())]
 
     def best(self, bucket: int, rates: list[float] | None = None) -> int:
         """The k with the most expected tokens per second (`rates`, when the caller has them);
@@ -232,30 +180,21 @@ class DraftPolicy:
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     def expected_tokens(self, k: int) -> float:
-        """Committed tokens per sequence of a round of k drafts, at the pooled rates."""
+        """Committed tokens per sequence of a round of k drafts: the bonus or replacement token,
+        plus draft i when it and every draft before it are accepted."""
         return self._expected_tokens()[k]
 
     def _expected_tokens(self) -> list[float]:
         """expected_tokens(k) for every k, 0..max_drafts."""
-        return expected_tokens(self.acceptance_at())
-
-    def round_tokens(self, seqs: list[Acceptance | None] | None) -> list[float]:
-        """Expected committed tokens per sequence, for every k, of a round of `seqs`: the mean
-        of each one's, at its own rates (which start from the pooled ones)."""
-        if not seqs:
-            return self._expected_tokens()
-        pooled = self.acceptance_at()
-        each = [self._own_tokens(s, pooled) for s in seqs]
-        return [sum(column) / len(each) for column in zip(*each)]
-
-    @staticmethod
-    def _own_tokens(seq: Acceptance | None, pooled: list[float]) -> list[float]:
-        """expected_tokens at a sequence's own rates, which start from the `pooled` ones."""
-        return expected_tokens(seq.rates(pooled, SEQ_WEIGHT) if seq else pooled)
+        out, reach = [1.0], 1.0
+        for a in self.acceptance_at():
+            reach *= a
+            out.append(out[-1] + reach)
+        return out
 
     def acceptance_at(self) -> list[float]:
-        """The pooled acceptance rate at each draft position."""
-        return self.pooled.rates([PRIOR_RATE] * self.max_drafts, PRIOR_WEIGHT)
+        return [(acc + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+                for acc, tried in zip(self.accepted, self.tried)]
 
     @staticmethod
     def step_seconds(table: dict[int, StepCost], k: int) -> float:
@@ -287,31 +226,35 @@ class DraftPolicy:
 
     # -- measurements -------------------------------------------------------------------
 
-    def record_acceptance(self, outcomes: list[tuple[int, int]],
-                          seqs: list[Acceptance | None] | None = None) -> None:
-        """One step's (drafts asked for, drafts accepted) per sequence and round, into the
-        pooled history and, with `seqs` (one per outcome, None for a sequence not followed),
-        each sequence's own. Estimates learnt while drafts were failing outlive them when the
-        policy stops drafting: only probes measure again, one round in up to PROBE_MOST. So a
-        probe from k = 0 whose sequences accepted SURPRISE drafts more than their estimates
-        expected is followed by another the next round, until the estimates agree or a k > 0
-        wins."""
-        seqs = seqs or [None] * len(outcomes)
-        drafted = [(min(proposed, self.max_drafts), acc, s)
-                   for (proposed, acc), s in zip(outcomes, seqs) if proposed]
+    def record_acceptance(self, outcomes: list[tuple[int, int]]) -> None:
+        """One step's (drafts asked for, drafts accepted) per sequence. Draft i was tried when
+        drafts 1..i-1 were accepted; positions the step did not reach keep their history. The
+        history fades per draft seen, not per step: a step of 32 sequences outweighs the ones
+        before it, so the estimates follow the sequences now running. When a batch ends, the last
+        sequences often are those whose drafts fail (they finish last), and a decay per step kept
+        the full batch's acceptance for them for some 40 rounds of a batch of 2 and of 1.
+        Estimates learnt while drafts were failing outlive them when the policy stops drafting:
+        only probes measure again, one round in up to PROBE_MOST. So a probe from k = 0 whose
+        sequences accepted SURPRISE drafts more than the estimates expected is followed by
+        another the next round, until the estimates agree or a k > 0 wins."""
+        drafted = [(min(proposed, self.max_drafts), acc) for proposed, acc in outcomes if proposed]
         if self.zero_probe is not None and drafted:   # while 0 is the best, the probe's drafts
-            pooled = self.acceptance_at()
-            surprise = sum(acc - self._own_tokens(s, pooled)[k] + 1
-                           for k, acc, s in drafted) / len(drafted)
+            tokens = self._expected_tokens()
+            surprise = sum(acc - tokens[k] + 1 for k, acc in drafted) / len(drafted)
             self.probes[self.zero_probe].again = surprise >= SURPRISE
             self.zero_probe = None
-        self.pooled.record(outcomes)
-        own: dict[int, tuple[Acceptance, list]] = {}
-        for outcome, s in zip(outcomes, seqs):
-            if s is not None:
-                own.setdefault(id(s), (s, []))[1].append(outcome)
-        for s, theirs in own.values():
-            s.record(theirs)
+        positions = self.max_drafts
+        reached, took = [0] * (positions + 1), [0] * (positions + 1)   # by drafts tried, accepted
+        for proposed, acc in outcomes:
+            tried = min(proposed, acc + 1, positions)
+            reached[tried] += 1
+            took[min(acc, tried)] += 1
+        n = a = 0   # rounds that tried, and that accepted, position i: those reaching past it
+        for i in range(positions - 1, -1, -1):
+            n, a = n + reached[i + 1], a + took[i + 1]
+            if n:
+                self.tried[i] = DECAY ** n * self.tried[i] + n
+                self.accepted[i] = DECAY ** n * self.accepted[i] + a
 
     def record_cost(self, batch: int, drafts: int, propose_s: float, forward_s: float) -> None:
         """A decode step's seconds: `batch` sequences carrying `drafts` drafts in all."""

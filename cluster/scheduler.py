@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from metrale.cluster.block_manager import BlockManager, SlotAllocator
 from metrale.cluster.detokenizer import IncrementalDetokenizer
-from metrale.cluster.draft_policy import Acceptance, DraftPolicy
+from metrale.cluster.draft_policy import DraftPolicy
 from metrale.cluster.params import RequestError, SamplingParams
 from metrale.cluster.plan import AHEAD, SeqWork, StepPlan, StepResult, WorkerCapacity
 from metrale.cluster.sequence import Sequence, Status, TokenLogprob
@@ -231,8 +231,7 @@ class Scheduler:
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
         decoding = sum(s.num_pending == 1 for s in idle)
-        k_round = (self.drafts.choose(decoding, [s.drafted for s in idle if s.num_pending == 1])
-                   if decoding and self.num_drafts else 0)
+        k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
             if budget == 0:
                 break
@@ -369,7 +368,7 @@ class Scheduler:
             if not seq.finished:   # (one that ended published in _finish)
                 self._publish(seq)
             touched.append(seq)
-        self._measure(plan, result, outcomes, by_id)
+        self._measure(plan, result, outcomes)
         return touched
 
     def forget(self, plan: StepPlan) -> None:
@@ -485,8 +484,7 @@ class Scheduler:
         """Tokens the sequence may still emit, by max_tokens and by the context length."""
         return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_tokens)
 
-    def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict,
-                 by_id: dict[int, Sequence]) -> None:
+    def _measure(self, plan: StepPlan, result: StepResult, outcomes: dict) -> None:
         """Keeps the cost of a graph worker's prefill steps (see `_prefill_due`). Feeds the
         draft policy a step's acceptance, and its time when every sequence of it
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
@@ -498,15 +496,8 @@ class Scheduler:
         if not self.num_drafts:
             return
         done = [(w, outcomes[w.seq_id]) for w in plan.work if w.seq_id in outcomes]
-        pairs, seqs = [], []
-        for w, o in done:
-            seq = by_id.get(w.seq_id)
-            if seq is not None and seq.drafted is None:
-                seq.drafted = Acceptance(self.num_drafts)
-            these = o.verifies() if o.rounds else [(w.num_drafts, o.accepted)]
-            pairs += these
-            seqs += [seq.drafted if seq else None] * len(these)
-        self.drafts.record_acceptance(pairs, seqs)
+        self.drafts.record_acceptance([pair for w, o in done for pair in (
+            o.verifies() if o.rounds else [(w.num_drafts, o.accepted)])])
         if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
             span = self.clock() - plan.planned_at if plan.planned_at else 0.0
             rounds = max((len(o.rounds) for _, o in done if o.rounds), default=1)   # a chain's

@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 from metrale.cluster.detokenizer import IncrementalDetokenizer
-from metrale.cluster.draft_policy import Acceptance
 from metrale.cluster.params import SamplingParams
 from metrale.drafting.stats import SpecStats
 
@@ -45,8 +44,6 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
-    drafted: Acceptance | None = None   # its drafts' acceptance per position, as the draft
-                                        # policy weighs it (from its first verify)
     streamed: bool = True         # its caller reads tokens as they come (not only at the end)
 
     @property

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from conftest import PROMPTS
-from metrale.cluster.draft_policy import (DECAY, PROBE_EVERY, PROBE_MOST, Acceptance,
-                                          DraftPolicy, StepCost)
+from metrale.cluster.draft_policy import (DECAY, PROBE_EVERY, PROBE_MOST, DraftPolicy,
+                                          StepCost)
 from metrale.cluster.params import SamplingParams
 from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
@@ -190,55 +190,19 @@ def test_the_estimates_follow_the_sequences_left_when_a_batch_ends():
     assert ks[0] == 7 and 0 in ks[:15] and set(ks[-20:]) == {0}
 
 
-def test_a_batchs_last_sequences_are_judged_by_their_own_drafts():
-    """Thirty sequences accept 90% of their drafts and two accept 10%, for 20 rounds of batch
-    32, at k = 7 (the bench's DFlash run at B=32: one held-out prompt took 110 rounds of 7
-    drafts for 128 tokens, where most took 17 to 43). When the thirty finish, the pooled rates
-    still say k = 7 for the two, whose own drafts say 0."""
-    policy, rng = DraftPolicy(7), random.Random(0)
-    seqs = [Acceptance(7) for _ in range(32)]
-    accept = [0.9] * 30 + [0.1] * 2
-    for _ in range(20):
-        k = policy.choose(32, seqs)
-        policy.record_acceptance([(k, accepted_of(k, a, rng)) for a in accept], seqs)
-        policy.record_cost(32, 32 * k, *block_drafter(32, k))
-    assert policy.last_k == 7
-    for k in (0, 0, 1, 1, 7, 7):   # batch 2's warm-up and measured rounds
-        policy.record_cost(2, 2 * k, *block_drafter(2, k))
-    assert policy.best(2, policy.rates(2)) >= 5                 # the pooled rates
-    assert policy.best(2, policy.rates(2, policy.round_tokens(seqs[:2]))) >= 5
-    assert policy.best(2, policy.rates(2, policy.round_tokens(seqs[30:]))) == 0
-    assert policy.choose(2, seqs[30:]) == 0                        # (not a probe)
-    assert policy.round_tokens(seqs[30:])[7] < 2.5 < 4.5 < policy.round_tokens(seqs[:2])[7]
-
-
-def test_a_sequences_own_rates_start_from_the_pooled_ones():
-    policy = DraftPolicy(3)
-    policy.record_acceptance([(3, 3)] * 40)
-    fresh, failing = Acceptance(3), Acceptance(3)
-    policy.record_acceptance([(3, 0)] * 8, [failing] * 8)
-    assert failing.tried == [8, 0, 0] and fresh.tried == [0, 0, 0]
-    assert policy.round_tokens([fresh]) == policy.round_tokens(None)
-    assert policy.round_tokens([None]) == policy.round_tokens(None)
-    mixed = policy.round_tokens([fresh, failing])
-    assert mixed == pytest.approx([(a + b) / 2 for a, b in zip(policy.round_tokens([fresh]),
-                                                                policy.round_tokens([failing]))])
-    assert policy.round_tokens([failing])[3] < 2 < 3 < policy.round_tokens([fresh])[3]
-
-
 def test_acceptance_counts_a_position_only_when_the_drafts_before_it_were_accepted():
     policy = DraftPolicy(3)
     policy.record_acceptance([(3, 0), (3, 1), (3, 3), (1, 1), (0, 0)])
-    assert policy.pooled.tried == [4, 2, 1]
-    assert policy.pooled.accepted == [3, 1, 1]
+    assert policy.tried == [4, 2, 1]
+    assert policy.accepted == [3, 1, 1]
     policy.record_acceptance([(2, 1)])   # the history fades per draft tried at each position
-    assert policy.pooled.tried == pytest.approx([DECAY * 4 + 1, DECAY * 2 + 1, 1])
-    assert policy.pooled.accepted == pytest.approx([DECAY * 3 + 1, DECAY * 1, 1])
+    assert policy.tried == pytest.approx([DECAY * 4 + 1, DECAY * 2 + 1, 1])
+    assert policy.accepted == pytest.approx([DECAY * 3 + 1, DECAY * 1, 1])
 
 
 def test_expected_tokens_and_step_time_estimates():
     policy = DraftPolicy(3)
-    policy.pooled.tried, policy.pooled.accepted = [1e9] * 3, [0.8e9, 0.5e9, 0.0]
+    policy.tried, policy.accepted = [1e9] * 3, [0.8e9, 0.5e9, 0.0]
     assert policy.expected_tokens(0) == 1
     assert policy.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.4 + 0)
     table = {0: StepCost(0.0, 0.010), 4: StepCost(0.002, 0.016)}
@@ -316,8 +280,6 @@ def test_the_scheduler_stops_drafting_when_the_policy_says_so(checkpoint):
     assert sum(probe for _, probe in seen) == 3   # one in 8: k = 1 is not settled yet
     assert s.drafts.acceptance_at()[0] < 0.2
     assert set(s.drafts.costs[2]) == {0, 1, 4}
-    for seq in s.running:   # each sequence's own history, which the policy weighs
-        assert seq.drafted.tried[0] >= 3 and seq.drafted.accepted[0] <= seq.drafted.tried[0]
 
 
 def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):

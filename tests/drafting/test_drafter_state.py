@@ -101,7 +101,7 @@ def test_drafter_catches_up_on_rows_held_through_rounds_without_drafts(
     held = llm.worker.proposer.held
     held.limit = limit
     rounds = iter([0] * 5 + [3] + [0] * 2 + [3] + [0] * 40)
-    llm.scheduler.drafts.choose = lambda batch, seqs=None: next(rounds)
+    llm.scheduler.drafts.choose = lambda batch: next(rounds)
     rid = llm.add_request(llm.encode(PROMPTS[2]), GREEDY)
     seq = llm.scheduler.by_request[rid][0]
     while len(seq.output_ids) < 16:

@@ -169,7 +169,7 @@ def test_chains_without_drafts_are_exact(checkpoint, dflash_drafter, method, nam
               block_size=4, max_num_seqs=4, max_num_batched_tokens=24, chain_rounds=3,
               drafter=dflash_drafter(name) if method == "dflash" else None)
     ks = itertools.cycle([3, 0])
-    llm.scheduler.drafts.choose = lambda batch, seqs=None: next(ks)
+    llm.scheduler.drafts.choose = lambda batch: next(ks)
     chains, execute = [], llm.worker._execute_chain
 
     def recorded(plan):

@@ -162,8 +162,8 @@ def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, 
               drafter=dflash_drafter(name) if method == "dflash" else None)
     worker = llm.worker
     assert worker.capacity.chain_rounds == CHAIN_ROUNDS and worker.graphs is not None
-    # captured at start: every bucket, for 2..4 rows
-    assert len(worker.chain.graphs_by_shape) == 3 * len(worker.graphs.buckets)
+    # captured at start: every bucket, for 1 row (plain steps, k = 0) and 2..4 rows
+    assert len(worker.chain.graphs_by_shape) == (1 + 3) * len(worker.graphs.buckets)
     chains, eager = [], []
     run, chain_eagerly = worker.chain.run, worker._chain_eagerly
     worker.chain.run = lambda *args: chains.append(args[2]) or run(*args)
@@ -204,7 +204,7 @@ def test_chained_rounds_of_a_trained_drafter_accept_as_rounds_one_by_one(method,
         llm = LLM(str(BUNDLED_MODEL), chain_rounds=rounds, **kw)
         assert (llm.worker.chain is not None) == bool(rounds)
         cycle = itertools.cycle(ks)
-        llm.scheduler.drafts.choose = lambda batch, seqs=None: next(cycle)
+        llm.scheduler.drafts.choose = lambda batch: next(cycle)
         runs[rounds] = ([o.token_ids for o in llm.generate(prompts, greedy)],
                         llm.scheduler.stats)
         llm.close()

@@ -974,7 +974,7 @@ def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypat
                   drafter=str(BUNDLED_DFLASH) if method == "dflash" else None,
                   dflash_window=20, max_num_seqs=2, chain_rounds=3, capture_at_start=False)
         ks = itertools.cycle([0, 3])
-        llm.scheduler.drafts.choose = lambda batch, seqs=None: next(ks)
+        llm.scheduler.drafts.choose = lambda batch: next(ks)
         lengths, run = [], llm.worker.chain.run
         llm.worker.chain.run = lambda layout, *a: (lengths.append(layout.uniform_length)
                                                    or run(layout, *a))
