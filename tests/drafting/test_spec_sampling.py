@@ -3,8 +3,6 @@ distribution that transformers' logits give), and the test fails a wrong replace
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from scipy.stats import chisquare
