@@ -230,7 +230,7 @@ class Scheduler:
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
-        decoding = sum(s.num_pending == 1 for s in idle)
+        decoding = sum(s.decoding for s in idle)
         k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
             if budget == 0:
@@ -239,7 +239,7 @@ class Scheduler:
                 continue
             pending = seq.num_pending
             n = min(pending, budget)
-            k = self._drafts_for(seq, k_round, budget - 1) if pending == 1 else 0
+            k = self._drafts_for(seq, k_round, budget - 1) if seq.decoding else 0
             steps = self._decode_steps(seq, 0) if pending == 1 and not k else 1
             end = seq.num_computed + n + k + steps - 1   # tokens in the caches after the plan
             fits = self.blocks.can_append(seq.block_table, end)
@@ -412,7 +412,7 @@ class Scheduler:
         the round replays a CUDA graph. Never preempts for it."""
         depth = max((k for _, _, k in chosen), default=0)
         if (not self.capacity.pad_drafts or not depth
-                or any(n != 1 or seq.num_pending != 1 for seq, n, _ in chosen)):
+                or any(n != 1 or not seq.decoding for seq, n, _ in chosen)):
             return {}
         pad = {}
         for seq, _, k in chosen:
@@ -439,7 +439,7 @@ class Scheduler:
         if most < 2 or not chosen:
             return 0
         for seq, n, k in chosen:
-            if (n != 1 or seq.num_pending != 1 or max(k, pad.get(seq.seq_id, 0)) != depth
+            if (n != 1 or not seq.decoding or max(k, pad.get(seq.seq_id, 0)) != depth
                     or not self._sampling(seq, 0).greedy or self._read_each_token(seq)):
                 return 0
         rounds = min(most, max(self._tokens_left(seq) for seq, _, _ in chosen),

@@ -69,5 +69,12 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def decoding(self) -> bool:
+        """One token pends and it is an output token: the sequence's rows up to it are in the
+        caches, so a drafter has a row to draft from. A prompt of one token pends one token too,
+        its prefill."""
+        return self.num_pending == 1 and self.num_computed >= len(self.prompt_ids)
+
+    @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED

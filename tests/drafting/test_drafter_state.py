@@ -16,6 +16,8 @@ GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
 
 
 def proposal_for(llm: LLM, seq, k: int):
+    # the blocks for the pending row and the drafts' rows, as the scheduler takes them for a round
+    llm.scheduler.blocks.append(seq.block_table, seq.num_computed + 1 + k)
     req = ProposeRequest(seq.slot, seq.num_computed, seq.tokens[-1], k, seq.block_table,
                          seq.tokens)
     return llm.worker.proposer.propose([req])[0]
