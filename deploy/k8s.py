@@ -156,10 +156,10 @@ def schema_problems(validator: jsonschema.Draft202012Validator, body: dict) -> l
         path = list(error.absolute_path)
         if error.validator == "additionalProperties" and error.validator_value is False:
             known = list(error.schema.get("properties", {}))
-            for field in sorted(set(error.instance) - set(known)):
-                close = difflib.get_close_matches(field, known, n=1)
+            for name in sorted(set(error.instance) - set(known)):
+                close = difflib.get_close_matches(name, known, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                problems.append(f"{json_path(path + [field])}: unknown field{hint}")
+                problems.append(f"{json_path(path + [name])}: unknown field{hint}")
         elif error.validator == "anyOf" and error.schema.get("x-kubernetes-int-or-string"):
             problems.append(f"{json_path(path)}: {error.instance!r} is neither an integer nor a string")
         else:
