@@ -31,6 +31,12 @@ class SeqWork:
                                # with drafts, or greedy without on a worker that chains,
                                # rounds chained on the device (Worker._execute_chain)
 
+    @property
+    def decodes(self) -> bool:
+        """One output token pends (Sequence.decoding): a prompt's last token, alone, is a
+        prefill's."""
+        return len(self.tokens) == 1 and self.context_len >= self.prompt_len
+
 
 @dataclass
 class StepPlan:

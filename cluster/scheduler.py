@@ -498,7 +498,7 @@ class Scheduler:
         done = [(w, outcomes[w.seq_id]) for w in plan.work if w.seq_id in outcomes]
         self.drafts.record_acceptance([pair for w, o in done for pair in (
             o.verifies() if o.rounds else [(w.num_drafts, o.accepted)])])
-        if plan.work and all(len(w.tokens) == 1 and w.sample for w in plan.work):
+        if plan.work and all(w.decodes and w.sample for w in plan.work):
             span = self.clock() - plan.planned_at if plan.planned_at else 0.0
             rounds = max((len(o.rounds) for _, o in done if o.rounds), default=1)   # a chain's
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),

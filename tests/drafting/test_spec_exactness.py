@@ -98,8 +98,7 @@ def test_every_acceptance_length_commits_exactly(checkpoint, name, k, pad):
 
     def recorded(plan):   # the draft rows of each round where every sequence decodes (one
         # output token pends; a prompt's last token is a prefill's, and gets no drafts)
-        if plan.work and all(len(w.tokens) == 1 and w.sample and w.context_len >= w.prompt_len
-                             for w in plan.work):
+        if plan.work and all(w.decodes and w.sample for w in plan.work):
             depths.append({max(w.num_drafts, w.pad_to) for w in plan.work})
         return execute(plan)
     llm.worker.execute = recorded
@@ -188,8 +187,9 @@ def test_chains_without_drafts_are_exact(checkpoint, dflash_drafter, method, nam
 def test_a_prompt_of_one_token_is_not_chained(checkpoint, dflash_drafter, method):
     """A prompt of one token pends one token, as a decoding sequence does, but it has no row
     before it for a drafter to draft from: its first step (the prefill) runs alone, never as
-    a chain's round of depth 0 (a chain on a graph worker asserted). Here it arrives alone
-    and beside sequences decoding, the policy choosing k = 0 throughout; tokens are greedy."""
+    a chain's round of depth 0 (a chain on a graph worker asserted), and the draft policy
+    does not take its step's time for a decode round's. Here it arrives alone and beside
+    sequences decoding, the policy choosing k = 0 throughout; tokens are greedy."""
     model_dir = checkpoint("qwen3_5")
     llm = LLM(model_dir, device="cpu", speculative_method=method, num_drafts=3, block_size=4,
               max_num_seqs=4, max_num_batched_tokens=16, chain_rounds=3,
@@ -201,12 +201,17 @@ def test_a_prompt_of_one_token_is_not_chained(checkpoint, dflash_drafter, method
         chained.extend((w.context_len, w.prompt_len) for w in plan.work)
         return execute(plan)
     llm.worker._execute_chain = recorded
+    timed, last, run, record_cost = [], [], llm.worker.execute, llm.scheduler.drafts.record_cost
+    llm.worker.execute = lambda plan: last.append(plan) or run(plan)
+    llm.scheduler.drafts.record_cost = lambda *a: (
+        timed.extend((w.context_len, w.prompt_len) for w in last[-1].work) or record_cost(*a))
     prompts = [llm.encode(p) for p in ["x", "def schedule(self, tokens):"]]
     assert len(prompts[0]) == 1
     for batch in ([prompts[0]], prompts, prompts[::-1]):
         outs = llm.generate(batch, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
         assert [o.token_ids for o in outs] == reference(model_dir, batch, 12)
     assert chained and all(context >= prompt for context, prompt in chained), chained
+    assert timed and all(context >= prompt for context, prompt in timed), timed
 
 
 def test_plain_steps_chain_only_when_greedy_and_as_many_for_every_sequence(checkpoint):
