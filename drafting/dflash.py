@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,26 @@ def block_mask(ctx_mask: torch.Tensor, block: int) -> torch.Tensor:
     `ctx_mask` [B, W] allows, then every row of the block (non-causal within it)."""
     whole = torch.ones(ctx_mask.shape[0], block, dtype=torch.bool, device=ctx_mask.device)
     return torch.cat((ctx_mask, whole), 1)[:, None, None, :]
+
+
+class RingBlock(NamedTuple):
+    """Where a block forward on the GPU reads and writes the context rings (DFlashLayer.over_ring):
+    sequence i's g block rows go to rows context[i] .. + g of its slot's ring, just after the
+    context rows it attends to (the ring's spare g rows once the window is full), so the paged
+    attention kernel reads context and block as one run of keys."""
+    tables: torch.Tensor    # [B, 1] int32: each sequence's slot, its one page
+    q_start: torch.Tensor   # [B] int32: i * g
+    q_len: torch.Tensor     # [B] int32: g
+    context: torch.Tensor   # [B] int32: the context rows each block attends to
+    writes: torch.Tensor    # [B * g] long: the flat ring row of each block row
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, context: torch.Tensor, g: int, page: int) -> "RingBlock":
+        offsets = torch.arange(g, device=slots.device)
+        writes = ((slots * page + context)[:, None] + offsets).flatten()
+        return cls(slots[:, None].int(), (torch.arange(slots.shape[0], device=slots.device)
+                                          * g).int(),
+                   torch.full_like(slots, g, dtype=torch.int32), context.int(), writes)
 
 
 class DFlashLayer(nn.Module):
@@ -55,31 +76,31 @@ class DFlashLayer(nn.Module):
     def forward(self, x, cos_sin, ctx_k, ctx_v, mask):
         """x: [B, g, hidden] the block; ctx_k/v: [B, W, kv_heads, head_dim]; mask: block_mask's."""
         a = self.self_attn
-        if hasattr(a, "qkv"):
-            return self._fused(x, cos_sin, ctx_k, ctx_v, mask)
         h = self.input_layernorm(x)
         q = Rotary.apply(a.q_norm(a.q_proj(h).unflatten(-1, (self.heads, self.head_dim))), *cos_sin)
         k, v = self.keys_values(h, cos_sin)
         x = x + a.o_proj(self._attend(q, k, v, ctx_k, ctx_v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _fused(self, x, cos_sin, ctx_k, ctx_v, mask):
-        """The same over the block's rows with the Triton kernels (on the GPU): one norm, one
-        q/k/v GEMM, one norm+rotary kernel each for q and k, the residual add with the second
-        norm, and the MLP's gate/up GEMM with one activation kernel."""
+    def over_ring(self, x, cos_sin, k_ring, v_ring, ring: "RingBlock"):
+        """The same with the Triton kernels (on the GPU), the context read in place from one
+        layer's rings [slots + 1, window + gamma, kv_heads, head_dim]: one norm, one q/k/v GEMM,
+        one kernel for the norms and rotary of q and k that also writes the block's K/V into the
+        rings after each slot's context, attention over context and block (non-causal) by the
+        paged kernel with a slot's ring as its one page, the residual add with the second norm,
+        and the MLP's gate/up GEMM with one activation kernel."""
         a, (b, g, hidden) = self.self_attn, x.shape
         rows = x.reshape(b * g, hidden)
         cos, sin = (t.reshape(b * g, 1, -1) for t in cos_sin)
         qkv = F.linear(self.input_layernorm.fused(rows), a.qkv).unflatten(
             -1, (self.heads + 2 * self.kv_heads, self.head_dim))
-        q = a.q_norm.fused_rope(qkv[:, :self.heads], cos, sin)
-        k = a.k_norm.fused_rope(qkv[:, self.heads:self.heads + self.kv_heads], cos, sin)
-        v = qkv[:, self.heads + self.kv_heads:]
-        out = a.o_proj(self._attend(q.view(b, g, self.heads, self.head_dim),
-                                    k.view(b, g, self.kv_heads, self.head_dim),
-                                    v.reshape(b, g, self.kv_heads, self.head_dim),
-                                    ctx_k, ctx_v, mask)).reshape(b * g, hidden)
-        h, rows = self.post_attention_layernorm.fused(out, rows)
+        q = kernels.qk_norm_rope_to_cache(
+            qkv[:, :self.heads], qkv[:, self.heads:self.heads + self.kv_heads],
+            qkv[:, self.heads + self.kv_heads:], a.q_norm.weight, a.k_norm.weight, a.q_norm.eps,
+            a.q_norm.offset, cos, sin, k_ring, v_ring, ring.writes)
+        out = kernels.paged_attention(q, k_ring, v_ring, ring.tables, ring.q_start, ring.q_len,
+                                      ring.context, g, self.head_dim ** -0.5, causal=False)
+        h, rows = self.post_attention_layernorm.fused(a.o_proj(out.flatten(1)), rows)
         return (rows + self.mlp(h, fused=True)).view(b, g, hidden)
 
     def _attend(self, q, k, v, ctx_k, ctx_v, mask):
@@ -176,8 +197,10 @@ class DFlashProposer:
         # (rotated at their absolute positions), the most recent `window` rows in a ring: the
         # slot's row number i at place i % window. A block attends to every context row alike,
         # so the order of the rows is free, and a full window takes a row in place of its
-        # oldest. (And one spare slot takes the writes of padding rows.)
-        shape = (len(drafter.layers), num_slots + 1, window, layer.kv_heads, layer.head_dim)
+        # oldest. On the GPU a block's own K/V go just after its context (RingBlock): gamma
+        # rows more per ring. (And one spare slot takes the writes of padding rows.)
+        shape = (len(drafter.layers), num_slots + 1, window + self.gamma, layer.kv_heads,
+                 layer.head_dim)
         self.ctx_k = torch.zeros(shape, dtype=dtype, device=device)
         self.ctx_v = torch.zeros(shape, dtype=dtype, device=device)
         self.seen = [0] * num_slots   # rows each slot's sequence has written (its window: the last)
@@ -289,10 +312,16 @@ class DFlashProposer:
         cos_sin = tuple(t.unflatten(0, (n, g)) for t in d.rotary.cos_sin(
             (positions[:, None] + torch.arange(g, device=slots.device)[None, :]).flatten(),
             x.dtype))
-        mask = block_mask(torch.arange(width, device=slots.device)[None, :] < lens[:, None], g)
-        for li, layer in enumerate(d.layers):
-            x = layer(x, cos_sin, self.ctx_k[li, slots, :width], self.ctx_v[li, slots, :width],
-                      mask)
+        if hasattr(d.layers[0].self_attn, "qkv"):   # on the GPU: the rings read in place
+            ring = RingBlock.of(slots, lens.clamp(max=self.window), g, self.ctx_k.shape[2])
+            for li, layer in enumerate(d.layers):
+                x = layer.over_ring(x, cos_sin, self.ctx_k[li], self.ctx_v[li], ring)
+        else:
+            mask = block_mask(torch.arange(width, device=slots.device)[None, :] < lens[:, None],
+                              g)
+            for li, layer in enumerate(d.layers):
+                x = layer(x, cos_sin, self.ctx_k[li, slots, :width],
+                          self.ctx_v[li, slots, :width], mask)
         return self.target.lm_head(d.norm(x[:, 1:])).float()
 
     def _greedy(self, slots, pending, positions, lens, width: int):
@@ -337,6 +366,7 @@ class DFlashGraphs:
         """Every bucket's graph (a block's drafts do not depend on max_drafts) and every
         catch-up bucket's."""
         self.inputs.zero_()
+        self.inputs[0].fill_(self.spare_slot)   # the captures' blocks write the spare ring
         for bucket in reversed(self.buckets):
             if bucket not in self.graphs:
                 self.graphs[bucket] = self._capture(bucket)
@@ -350,8 +380,9 @@ class DFlashGraphs:
         requests' slots, pending tokens, positions and context lengths, sent in one copy."""
         n = len(rows[0])
         bucket = bucket_for(self.buckets, n)
-        pad = [0] * (bucket - n)   # padding rows draft from slot 0's context, unused
-        to_device([row + pad for row in rows], self.inputs.device, out=self.inputs[:, :bucket])
+        pad = [0] * (bucket - n)   # padding rows draft from the spare slot's ring, unused
+        to_device([rows[0] + [self.spare_slot] * len(pad)] + [row + pad for row in rows[1:]],
+                  self.inputs.device, out=self.inputs[:, :bucket])
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
         graph, tokens, logp = self.graphs[bucket]

@@ -835,26 +835,38 @@ def test_mtp_catch_up_graphs_write_what_the_eager_catch_up_writes(checkpoint, mo
     same_state()
 
 
-def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter):
-    """The drafter's fused path (q/k/v and gate/up GEMMs, norm kernels) gives the block logits
-    of its plain torch modules, over context windows filled by a few rounds."""
+@pytest.mark.parametrize("window", [2048, 4])
+def test_dflash_fused_layers_draft_as_the_modules(checkpoint, dflash_drafter, window):
+    """The drafter's fused path (q/k/v and gate/up GEMMs, norm kernels, the block's K/V written
+    into the rings and attended there by the paged kernel) gives the block logits of its plain
+    torch modules, over context windows filled by a few rounds; with a window of 4 the rings
+    are full (the block then takes the ring's spare rows) and one has wrapped round. The block
+    rows leave the context rows as they were, and a padding row on the spare slot drafts
+    without touching a sequence's ring."""
     from metrale.cluster.params import SamplingParams
     from metrale.deploy.llm import LLM
     llm = LLM(checkpoint("qwen3_5"), device=DEVICE, dtype="float32", block_size=4,
               attention_backend="triton", cuda_graphs=False, speculative_method="dflash",
-              drafter=dflash_drafter("qwen3_5"), num_drafts=3, adaptive_drafts=False)
+              drafter=dflash_drafter("qwen3_5"), num_drafts=3, adaptive_drafts=False,
+              dflash_window=window)
     p = llm.worker.proposer
     assert all(hasattr(layer.self_attn, "qkv") for layer in p.drafter.layers)
     llm.generate(["def schedule(self, tokens):", "The café engine"],
                  SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     slots = [s for s, n in enumerate(p.seen) if n][:2]
+    spare = p.ctx_k.shape[1] - 1
+    lens = [p.window_rows(s) for s in slots]
     args = [torch.tensor(v, device=DEVICE) for v in
-            (slots, [5, 7], [p.seen[s] for s in slots], [p.seen[s] for s in slots])]
+            (slots + [spare], [5, 7, 9], [p.seen[s] for s in slots] + [0], lens + [0])]
+    context = [(p.ctx_k[:, s, :n].clone(), p.ctx_v[:, s, :n].clone()) for s, n in zip(slots, lens)]
     fused = p._block_logits(*args, p.window)
+    for (k, v), s, n in zip(context, slots, lens):
+        assert torch.equal(p.ctx_k[:, s, :n], k) and torch.equal(p.ctx_v[:, s, :n], v)
     for layer in p.drafter.layers:
         del layer.self_attn.qkv, layer.self_attn.kv, layer.mlp.gate_up
     plain = p._block_logits(*args, p.window)
     assert len(slots) == 2 and rel_err(fused, plain) < 1e-5
+    assert (min(p.seen[s] for s in slots) > window) == (window == 4)
 
 
 def _graph_path_on_cpu(monkeypatch) -> None:
