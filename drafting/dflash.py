@@ -82,7 +82,7 @@ class DFlashLayer(nn.Module):
         x = x + a.o_proj(self._attend(q, k, v, ctx_k, ctx_v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def over_ring(self, x, cos_sin, k_ring, v_ring, ring: "RingBlock"):
+    def over_ring(self, x, cos_sin, k_ring, v_ring, ring: RingBlock):
         """The same with the Triton kernels (on the GPU), the context read in place from one
         layer's rings [slots + 1, window + gamma, kv_heads, head_dim]: one norm, one q/k/v GEMM,
         one kernel for the norms and rotary of q and k that also writes the block's K/V into the
