@@ -380,8 +380,8 @@ class DFlashGraphs:
         requests' slots, pending tokens, positions and context lengths, sent in one copy."""
         n = len(rows[0])
         bucket = bucket_for(self.buckets, n)
-        pad = [0] * (bucket - n)   # padding rows draft from the spare slot's ring, unused
-        to_device([rows[0] + [self.spare_slot] * len(pad)] + [row + pad for row in rows[1:]],
+        pad = bucket - n   # padding rows draft from the spare slot's ring, unused
+        to_device([rows[0] + [self.spare_slot] * pad] + [row + [0] * pad for row in rows[1:]],
                   self.inputs.device, out=self.inputs[:, :bucket])
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
@@ -412,7 +412,7 @@ class DFlashGraphs:
         token (at position context) over its slot's window of `seen` rows; past the block's
         gamma - 1, its last draft again."""
         p = self.proposer
-        drafts = p._greedy(slots, pending, context, seen.clamp(max=p.window), p.window)[0]
+        drafts = p._greedy(slots, pending, context, seen, p.window)[0]   # seen: clamped there
         if k > drafts.shape[1]:
             drafts = torch.cat([drafts, drafts[:, -1:].expand(-1, k - drafts.shape[1])], 1)
         return drafts[:, :k]
