@@ -274,7 +274,7 @@ class Scheduler:
         work = [self._work(seq, n, k, pad.get(seq.seq_id, 0),
                            rounds or decode_steps.get(seq.seq_id, 1)) for seq, n, k in chosen]
         if self.plans_ahead and not prefill_only:
-            work += self._ahead(min(room - len(work), budget))
+            work += self._ahead(min(room - len(work), budget), rounds)
         for w in work[:len(chosen)]:
             self.in_flight[w.seq_id] = 1
             self.flying_steps[w.seq_id] = [w.steps]
@@ -314,24 +314,30 @@ class Scheduler:
             return None
         return tokens, cached, n
 
-    def _ahead(self, room: int) -> list[SeqWork]:
+    def _ahead(self, room: int, rounds: int = 0) -> list[SeqWork]:
         """Decode steps for sequences whose one step in flight samples their next token: the
         row is that token (AHEAD), which the worker fills in from the step before, since it runs
         plans in order. A sequence whose token in flight ends it by length is not planned; one
         that the token ends otherwise (EOS, a stop) wastes the row, whose output is dropped.
-        Never preempts: a sequence without a free block for the row waits for its result."""
-        work = []
+        Never preempts: a sequence without a free block for the row waits for its result. On
+        a worker that chains plain decode steps, greedy ones are a chain of as many steps each
+        (the plan's `rounds`, when its other sequences chain, else `_ahead_rounds`)."""
+        picked = []
         for seq in self.running:
-            if len(work) == room:
+            if len(picked) == room:
                 break
             if self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1:
                 continue
             flying = self.flying_steps[seq.seq_id][0]   # tokens its step in flight samples
-            steps = self._decode_steps(seq, flying)
+            if (seq.params.grammar is None and seq.params.constraint is None
+                    and self._tokens_left(seq) > flying):
+                picked.append((seq, flying))
+        chain = self._ahead_rounds(picked, rounds)
+        work = []
+        for seq, flying in picked:
+            steps = chain or self._decode_steps(seq, flying)
             end = seq.num_tokens + flying - 1 + steps
-            if (seq.params.grammar is not None or seq.params.constraint is not None
-                    or self._tokens_left(seq) <= flying
-                    or not self.blocks.can_append(seq.block_table, end)):
+            if not self.blocks.can_append(seq.block_table, end):
                 continue
             self.blocks.append(seq.block_table, end)
             self.in_flight[seq.seq_id] = 2
@@ -341,6 +347,21 @@ class Scheduler:
                                 self._sampling(seq, len(seq.output_ids) + flying),
                                 prompt_len=len(seq.prompt_ids), steps=steps))
         return work
+
+    def _ahead_rounds(self, picked: list[tuple[Sequence, int]], rounds: int) -> int:
+        """Steps in a row for every sequence planned ahead (`picked`: each with the tokens its
+        plan in flight samples) on a worker that chains plain decoding, or 0: all greedy and
+        read at their end of a chain, `rounds` steps when the plan chains its others (else
+        up to what the sequences may still emit), within the context of each."""
+        most = self.capacity.chain_rounds
+        if (self.num_drafts or most < 2 or not picked or any(
+                not self._sampling(seq, 0).greedy or self._read_each_token(seq)
+                for seq, _ in picked)):
+            return 0
+        rounds = rounds or min(most, max(self._tokens_left(seq) - flying for seq, flying in picked))
+        rounds = min([rounds] + [self.max_model_len - seq.num_tokens - flying + 1
+                                 for seq, flying in picked])
+        return rounds if rounds >= 2 else 0
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Commits a step's outcome; returns the sequences that produced tokens."""

@@ -57,9 +57,10 @@ class MetraleConfig(BaseModel):
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram lookup matches.")
     ngram_max: int = Field(4, ge=1, description="Longest suffix n-gram lookup matches.")
     chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram, MTP or DFlash "
-                                     "rounds one plan runs on the device before the host reads "
-                                     "their tokens (a new request waits for the chain); "
-                                     "default: 8 with CUDA graphs, else 0 (off).")
+                                     "rounds (without speculation: plain greedy decode steps) "
+                                     "one plan runs on the device before the host reads their "
+                                     "tokens (a new request waits for the chain); default: 8 "
+                                     "with CUDA graphs and a proposer, else 0 (off).")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "

@@ -45,7 +45,8 @@ SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-2b": QWEN3_5_2B}
 SMALL_SHAPES = {"qwen3-8b": QWEN3_SMALL, "qwen3.5-2b": QWEN3_5_SMALL}
 MAX_VERIFY = 15                     # the deepest verify timed (rows = k + 1)
 # ngram, ngram@7 (at most 7 drafts), ngram=3 (always 3); a /gG tail: prefill_gather G (mtp/g4);
-# a /cN tail: chain_rounds N (mtp/c8, dflash/c8: rounds chained on the device; ngram/c0: not)
+# a /cN tail: chain_rounds N (mtp/c8, dflash/c8: rounds chained on the device; ngram/c0: not;
+# none/c8: plain greedy decode steps chained)
 METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?(?:/g(\d+(?:\.\d+)?))?(?:/c(\d+))?")
 
 
@@ -67,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "plain; 'ngram@7': at most 7 drafts a round instead of the default; "
                         "'ngram=3': exactly 3 every round, no adaptive draft length; a '/g4' "
                         "tail: prefill_gather=4, as 'mtp/g4'; a '/c8' tail: chain_rounds=8, "
-                        "as 'mtp/c8', 'dflash/c8' or 'mtp/g4/c8')")
+                        "as 'mtp/c8', 'dflash/c8', 'mtp/g4/c8' or 'none/c8', plain decode "
+                        "steps chained)")
     p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
     p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
@@ -585,6 +587,8 @@ def targets(models: dict) -> list[dict]:
                 True, f"{f['verify_ms_batch1'][k]:.2f} ms" if k in ratio else "")
     engine = _engine(models, "bundled")
     speed = _speedups(engine) if engine and "none" in engine else {}
+    # a plain variant ('none/c8': plain decode steps chained) is no proposer
+    speed = {m: r for m, r in speed.items() if method_options(m)["speculative_method"] != "none"}
     best1 = max(((r[1], m) for m, r in speed.items() if 1 in r), default=None)
     add("best proposer / plain tokens/s, bundled, T=0, batch 1", best1 and best1[0], 2.5, False,
         best1 and best1[1] or "")

@@ -140,8 +140,9 @@ class WorkerConfig:
     capture_at_start: bool = True        # capture every decode/verify graph when starting
     warmup_prefill_rows: int = 0         # on CUDA: one dummy prefill of this many rows at start
                                          # (the step budget), compiling its kernels before serving
-    chain_rounds: int | None = None      # greedy n-gram, MTP or DFlash rounds a plan may chain
-                                         # (None: CHAIN_ROUNDS with CUDA graphs, else 0)
+    chain_rounds: int | None = None      # greedy n-gram, MTP or DFlash rounds (or, without a
+                                         # proposer, plain decode steps) a plan may chain (None:
+                                         # CHAIN_ROUNDS with CUDA graphs and a proposer, else 0)
 
     @property
     def torch_device(self) -> torch.device:
@@ -256,12 +257,13 @@ class Worker:
                                      self.kv.num_blocks * config.block_size),
                                  self.capacity.chain_rounds, drafter) \
             if self.graphs is not None and self.capacity.chain_rounds and (
-                p.method == "ngram" or drafter is not None) else None
+                p is None or p.method == "ngram" or drafter is not None) else None
         if self.chain is not None and config.capture_at_start:
             start = time.perf_counter()
-            self.chain.capture_all([1], verify=False)   # the draft policy's k = 0
-            self.chain.capture_all([k + 1 for k in range(1, config.max_drafts + 1)],
-                                   verify=cfg.is_hybrid)
+            self.chain.capture_all([1], verify=False)   # the draft policy's k = 0, plain steps
+            if p is not None:
+                self.chain.capture_all([k + 1 for k in range(1, config.max_drafts + 1)],
+                                       verify=cfg.is_hybrid)
             log.info("captured %d chained-round graphs in %.1fs",
                      len(self.chain.graphs_by_shape), time.perf_counter() - start)
         if config.warmup_prefill_rows and self.device.type == "cuda":
@@ -274,14 +276,16 @@ class Worker:
         """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer on
         one rank only, by default CHAIN_ROUNDS where CUDA graphs replay (elsewhere every round
         waits for the host anyway; README, "Rounds chained on the device, measured"). Off the
-        graph path a plan's MTP or DFlash rounds run one by one."""
+        graph path a plan's MTP or DFlash rounds run one by one. Without a proposer, plain
+        greedy decode steps chain only when `chain_rounds` asks for it (README, "Plain decode
+        steps chained")."""
         rounds = self.config.chain_rounds
         method = self.proposer.method if self.proposer is not None else "none"
         if rounds is None:
-            rounds = CHAIN_ROUNDS if self.use_graphs else 0
+            rounds = CHAIN_ROUNDS if self.use_graphs and method != "none" else 0
         if rounds < 0:
             raise ValueError(f"chain_rounds must be 0 or more, not {rounds}")
-        return rounds if method in ("ngram", *LAYER_DRAFTERS) and self.tp.size == 1 else 0
+        return rounds if method in ("none", "ngram", *LAYER_DRAFTERS) and self.tp.size == 1 else 0
 
     def _make_kv_cache(self) -> PagedKVCache:
         cfg, c = self.model.config, self.config
@@ -468,9 +472,10 @@ class Worker:
 
     def _chains(self, work: list[SeqWork]) -> bool:
         """Whether a plan of several steps is a chain of rounds (`_execute_chain`): it has
-        drafts, or it is greedy decoding, every sequence as many steps, on a worker whose
-        proposer chains (rounds of depth 0, which the draft policy chose, feed the drafter as
-        verifies do); else plain decode steps (`_execute_steps`, each sequence its own count)."""
+        drafts, or it is greedy decoding, every sequence as many steps, on a worker that chains
+        (rounds of depth 0, which the draft policy chose, feed the drafter as verifies do;
+        without a proposer they are plain decode steps); else plain decode steps
+        (`_execute_steps`, each sequence its own count, each step its host work)."""
         if any(w.num_drafts or w.pad_to for w in work):
             return True
         return bool(self.capacity.chain_rounds) and len({w.steps for w in work}) == 1 and all(
@@ -479,7 +484,8 @@ class Worker:
     def _execute_chain(self, plan: StepPlan) -> StepResult:
         """`steps` greedy n-gram, MTP or DFlash rounds of the plan's sequences in a row
         (`SeqWork.steps`), every sequence verifying the same number of drafts (0 included: plain
-        decode steps, which feed an MTP or DFlash drafter as its verifies do), each
+        decode steps, which feed an MTP or DFlash drafter as its verifies do, or of a worker
+        without a proposer when `chain_rounds` asks for it), each
         round proposed, verified, judged and committed on the device: the next round drafts
         from the tokens the last one accepted there, and the host reads all the rounds' tokens
         with one sync at the end. Greedy verdicts are the target's argmaxes whatever the
@@ -493,7 +499,7 @@ class Worker:
         length, verify = depth + 1, self.ssm is not None and depth > 0
         layout = RowsLayout.of([(w.tokens * length, w.context_len, w.block_table, w.slot, verify)
                                 for w in work], self.config.block_size)
-        layered = self.proposer.method in LAYER_DRAFTERS
+        layered = self.proposer is not None and self.proposer.method in LAYER_DRAFTERS
         chained = self.chain is not None and self.graphs.eligible(layout)
         one_by_one = layered and not chained   # (its rounds keep the history and the stats)
         if one_by_one:
@@ -502,7 +508,9 @@ class Worker:
             self._track_history(work)
             seen = self.proposer.before_chain([w.slot for w in work],
                                               [w.context_len for w in work]) if layered else None
-            histories = [w.tokens if layered else self.history[w.slot] for w in work]
+            # (only n-gram lookups read the whole history; the rest draft from the last token)
+            histories = [self.history[w.slot] if self.proposer is not None and not layered
+                         else w.tokens for w in work]
             landed = self.chain.run(layout, histories, rounds, seen)
         else:
             self._track_history(work)
@@ -538,8 +546,8 @@ class Worker:
         context = to_device([w.context_len for w in work], dev)
         landed = []
         for _ in range(rounds):
-            drafts, ids = draft_round(history, used, depth, self.proposer.min_n,
-                                      self.proposer.max_n)
+            drafts, ids = draft_round(history, used, depth, getattr(self.proposer, "min_n", 0),
+                                      getattr(self.proposer, "max_n", 0))
             step = RowsLayout.of([(i, c, w.block_table, w.slot, verify) for i, c, w in zip(
                 ids.tolist(), context.tolist(), work)], bs)
             hidden, _, logits = self._forward(step)

@@ -231,13 +231,17 @@ def test_plans_in_flight_hold_disjoint_halves_and_keep_the_output(checkpoint, de
         assert len(ids) <= -(-len(prompts) // depth)
 
 
-@pytest.mark.parametrize("decode_steps", [1, 3])
-def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint, decode_steps):
+@pytest.mark.parametrize("decode_steps, chain_rounds", [(1, 0), (3, 0), (1, 3)],
+                         ids=["steps", "three-steps", "chained"])
+def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint, decode_steps,
+                                                              chain_rounds):
     """Plain decoding with two plans in flight: the second plan carries the same sequences one
     plan ahead (the worker fills in the token it sampled). Greedy and seeded sampled outputs,
     n > 1, a stop token hit while a step ahead flies, and max_tokens all come out as `generate`
     makes them one step a plan, also with plans of three decode steps each (fewer where
-    max_tokens leaves fewer), and every block and slot is free at the end."""
+    max_tokens leaves fewer), and on a worker that chains plain decode steps (chain_rounds 3:
+    the greedy sequences' plans, ahead ones included, are chains of 3 steps each, or 2 where
+    none has 3 left), and every block and slot is free at the end."""
     model_dir = checkpoint("qwen3_5")
     config = dict(block_size=4, max_num_seqs=8)
     llm = LLM(model_dir, device="cpu", **config)
@@ -254,7 +258,8 @@ def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint, decode
     assert len(expected[0][0]) == 6   # it stopped at its stop token, 8 tokens before max_tokens
 
     async def run():
-        executor = RecordingExecutor(Worker(WorkerConfig(str(model_dir), "cpu", **config)))
+        executor = RecordingExecutor(Worker(WorkerConfig(str(model_dir), "cpu",
+                                                         chain_rounds=chain_rounds, **config)))
         eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8, steps_in_flight=2,
                                                               decode_steps=decode_steps),
                                   None, load_tokenizer(model_dir))
@@ -272,7 +277,13 @@ def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint, decode
         assert ids <= sampled and len(plan.work) == len({w.seq_id for w in plan.work})
     assert max(len(p.work) for p in executor.plans) == 5   # ...over whole batches, not halves
     steps = {w.steps for p in executor.plans for w in p.work}
-    assert steps == ({1} if decode_steps == 1 else {1, 2, 3})   # 1: prompts, and max_tokens=1
+    assert steps == ({1} if decode_steps == chain_rounds + 1 else {1, 2, 3})   # 1: prompts...
+    if chain_rounds:   # greedy plans, ahead ones included, chain; sampled ones never do
+        chains = [p for p in executor.plans if all(w.steps > 1 for w in p.work)]
+        assert any(w.tokens == [AHEAD] for p in chains for w in p.work)
+        assert all(w.sample.greedy and len({v.steps for v in p.work}) == 1
+                   for p in chains for w in p.work)
+        assert all(w.steps == 1 for p in executor.plans for w in p.work if not w.sample.greedy)
     assert scheduler.blocks.num_free == scheduler.blocks.num_blocks
     assert scheduler.slots.num_free == scheduler.capacity.num_slots
     assert not scheduler.in_flight and not scheduler.running and not scheduler.by_request

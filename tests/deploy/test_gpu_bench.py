@@ -107,6 +107,18 @@ def test_the_transformers_target_says_what_the_floor_allows():
     assert row["detail"] == "none 176.1 vs 10.1 tokens/s; 26.7x at the floor"
 
 
+def test_a_plain_variant_is_no_proposer_in_the_targets():
+    """'none/c8' (plain decode steps chained) is timed beside the proposers, and its ratio over
+    'none' printed, but the proposer targets are the proposers' alone."""
+    from metrale.deploy.gpubench import targets
+    runs = lambda *tps: {b: {"tokens_per_s": t} for b, t in zip((1, 32), tps)}
+    engine = {"none": runs(1000, 20000), "none/c8": runs(3000, 70000), "mtp": runs(2600, 27000)}
+    rows = {t["target"]: t for t in targets({"bundled": {"engine": engine}})}
+    best = rows["best proposer / plain tokens/s, bundled, T=0, batch 1"]
+    assert best["detail"] == "mtp" and abs(best["measured"] - 2.6) < 1e-9
+    assert rows["speculative / plain tokens/s, batch 32, bundled"]["measured"] == 27000 / 20000
+
+
 def test_random_hybrid_checkpoint_loads_in_transformers(tmp_path):
     """The Qwen3.5 shape loads in transformers with every weight from the file, and the weight
     bytes of a step leave out the embedding table only when it is not the lm_head."""

@@ -183,6 +183,43 @@ def test_chains_without_drafts_are_exact(checkpoint, dflash_drafter, method, nam
     assert (0, 3) in chains and (3, 3) in chains, chains
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_plain_decode_steps_chained_are_exact(checkpoint, name):
+    """Without a proposer, `chain_rounds` chains greedy decode steps as rounds of depth 0: with
+    arrivals, preemption for blocks, chains cut short by max_tokens and sequences that stop
+    inside a chain, the tokens are transformers' greedy ones. A plan with a sampled sequence
+    in it runs its steps one by one; and without `chain_rounds` plain decoding chains nothing
+    (its default)."""
+    model_dir = checkpoint(name)
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+              kv_cache_bytes=40 * _kv_block_bytes(model_dir))
+    assert LLM(model_dir, device="cpu", **kw).worker.capacity.chain_rounds == 0
+    llm = LLM(model_dir, device="cpu", chain_rounds=3, **kw)
+    assert llm.worker.capacity.chain_rounds == 3
+    chains, execute = [], llm.worker._execute_chain
+
+    def recorded(plan):
+        chains.append(plan.work[0].steps)
+        return execute(plan)
+    llm.worker._execute_chain = recorded
+    prompts = [llm.encode(p) for p in PROMPTS]
+    refs = reference(model_dir, prompts)
+    outs = run_with_arrivals(llm, {0: prompts[:2], 2: prompts[2:3], 5: prompts[3:]}, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    assert chains and set(chains) <= {2, 3} and 3 in chains
+    assert llm.scheduler.num_preemptions > 0
+    stops = [r[9] for r in refs]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[t])
+                                  for t in stops])
+    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    chains.clear()
+    outs = llm.generate(prompts[:2], [SamplingParams(max_tokens=12, temperature=0,
+                                                     ignore_eos=True),
+                                      SamplingParams(max_tokens=12, temperature=0.8, seed=3)])
+    assert outs[0].token_ids == refs[0][:12] and not chains
+
+
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 def test_a_prompt_of_one_token_is_not_chained(checkpoint, dflash_drafter, method):
     """A prompt of one token pends one token, as a decoding sequence does, but it has no row

@@ -9,6 +9,7 @@ import torch
 
 import checkpoints
 from metrale.cluster.params import SamplingParams
+from metrale.cluster.plan import AHEAD
 from metrale.deploy.llm import LLM
 from metrale.workers.worker import CHAIN_ROUNDS
 
@@ -180,6 +181,45 @@ def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, 
                                                  stop_token_ids=[t])
                                   for t in stops])
     assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_plain_decode_steps_chained_replay_graphs_and_keep_the_reference_tokens(checkpoint, name):
+    """Without a proposer, `chain_rounds` chains greedy decode steps on the graph path: one
+    graph replay a step (captured at start for every bucket), one host read a chain, the plans
+    made ahead chained too (their first token taken from the chain before). The tokens are
+    transformers' greedy ones, also for sequences that stop inside a chain, and a sampled
+    request beside them runs its steps one by one."""
+    from metrale.workers.worker import Worker
+    model_dir = checkpoint(name)
+    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64,
+              chain_rounds=CHAIN_ROUNDS)
+    worker = llm.worker
+    assert worker.capacity.chain_rounds == CHAIN_ROUNDS and worker.chain is not None
+    assert len(worker.chain.graphs_by_shape) == len(worker.graphs.buckets)   # 1 row each
+    chains, eager = [], []
+    run, chain_eagerly = worker.chain.run, worker._chain_eagerly
+    worker.chain.run = lambda *args: chains.append(args[2]) or run(*args)
+    worker._chain_eagerly = lambda *a: eager.append(1) or chain_eagerly(*a)
+    plans, execute_chain = [], Worker._execute_chain
+    worker._execute_chain = lambda plan: plans.append(plan) or execute_chain(worker, plan)
+    prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine", "x"]]
+    refs = [checkpoints.reference_greedy(model_dir, p, 40) for p in prompts]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == refs
+    assert chains and not eager and max(chains) == CHAIN_ROUNDS
+    assert any(w.tokens == [AHEAD] for p in plans for w in p.work)
+    stops = [r[12] for r in refs]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[t])
+                                  for t in stops])
+    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    plans.clear()
+    outs = llm.generate(prompts[:2], [SamplingParams(max_tokens=40, temperature=0,
+                                                     ignore_eos=True),
+                                      SamplingParams(max_tokens=6, temperature=0.9, seed=3)])
+    assert outs[0].token_ids == refs[0] and len(outs[1].token_ids) == 6
+    assert all(w.sample.greedy for p in plans for w in p.work)
 
 
 @pytest.mark.parametrize("ks", [[3], [3, 0]], ids=["k3", "k3-then-0"])
