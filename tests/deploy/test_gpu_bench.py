@@ -119,6 +119,17 @@ def test_a_plain_variant_is_no_proposer_in_the_targets():
     assert rows["speculative / plain tokens/s, batch 32, bundled"]["measured"] == 27000 / 20000
 
 
+def test_the_floor_target_takes_a_token_per_decode_step_even_when_steps_chain():
+    """The 8B step's time is one token's (1 / tokens/s at batch 1): a plan of chained decode
+    steps reports a chain's time as `ms_per_step`."""
+    from metrale.deploy.gpubench import targets
+    models = {"qwen3-8b": {"floor": {"floor_ms": 5.0, "tokens_per_s_batch1": 200.0},
+                           "engine": {"none": {1: {"tokens_per_s": 182.0, "ms_per_step": 43.9}}}}}
+    row, = [t for t in targets(models) if "floor" in t["target"]]
+    assert row["result"] == "PASS" and abs(row["measured"] - 1e3 / 182.0 / 5.0) < 1e-9
+    assert row["detail"] == "5.49 ms vs 5.00 ms"
+
+
 def test_random_hybrid_checkpoint_loads_in_transformers(tmp_path):
     """The Qwen3.5 shape loads in transformers with every weight from the file, and the weight
     bytes of a step leave out the embedding table only when it is not the lm_head."""
