@@ -46,6 +46,17 @@ def run_with_arrivals(llm: LLM, arrivals: dict[int, list[list[int]]], params: Sa
     return [llm.finished_output(r) for r in ids]
 
 
+def assert_stops_where_first_met(llm: LLM, prompts: list[list[int]], refs: list[list[int]],
+                                 at: int) -> None:
+    """Each prompt again with its greedy reference's token number `at` as a stop token: every
+    sequence ends where that token first comes (inside a chain of steps or not)."""
+    stops = [r[at] for r in refs]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=len(r), temperature=0,
+                                                 ignore_eos=True, stop_token_ids=[t])
+                                  for r, t in zip(refs, stops)])
+    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(name) -> directory of the named variant (see VARIANTS)."""

@@ -8,7 +8,7 @@ import random
 import pytest
 
 import checkpoints
-from conftest import PROMPTS, run_with_arrivals
+from conftest import PROMPTS, assert_stops_where_first_met, run_with_arrivals
 from metrale.cluster.params import SamplingParams
 from metrale.drafting.proposer import Proposal
 from metrale.deploy.llm import LLM
@@ -114,6 +114,25 @@ def test_every_acceptance_length_commits_exactly(checkpoint, name, k, pad):
         assert 0 < stats.accepted_at[-1] < stats.proposed_at[-1]
 
 
+def _chained_arrivals(llm, model_dir) -> tuple[list[int], list, list]:
+    """The prompts arriving over a few steps on an engine that chains 3 rounds: the greedy
+    tokens are transformers', chains of 3 (and of 2 where max_tokens leaves fewer) ran, and
+    blocks ran short. Returns the chains' round counts (recorded on), prompts and tokens."""
+    chains, execute = [], llm.worker._execute_chain
+
+    def recorded(plan):
+        chains.append(plan.work[0].steps)
+        return execute(plan)
+    llm.worker._execute_chain = recorded
+    prompts = [llm.encode(p) for p in PROMPTS]
+    refs = reference(model_dir, prompts)
+    outs = run_with_arrivals(llm, {0: prompts[:2], 2: prompts[2:3], 5: prompts[3:]}, GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    assert chains and set(chains) <= {2, 3} and 3 in chains
+    assert llm.scheduler.num_preemptions > 0
+    return chains, prompts, refs
+
+
 @pytest.mark.parametrize("method, name", [("ngram", "qwen3"), ("ngram", "qwen3_5"),
                                           ("mtp", "qwen3_5"), ("dflash", "qwen3_5")])
 @pytest.mark.parametrize("pad", [False, True], ids=["ragged", "padded"])
@@ -131,28 +150,12 @@ def test_chained_rounds_are_exact(checkpoint, dflash_drafter, method, name, pad)
               chain_rounds=3, pad_drafts=pad,
               drafter=dflash_drafter(name) if method == "dflash" else None, **kw)
     assert llm.worker.capacity.chain_rounds == 3
-    chains, execute = [], llm.worker._execute_chain
-
-    def recorded(plan):
-        chains.append(plan.work[0].steps)
-        return execute(plan)
-    llm.worker._execute_chain = recorded
-    prompts = [llm.encode(p) for p in PROMPTS]
-    refs = reference(model_dir, prompts)
-    outs = run_with_arrivals(llm, {0: prompts[:2], 2: prompts[2:3], 5: prompts[3:]}, GREEDY)
-    assert [o.token_ids for o in outs] == refs
-    assert chains and set(chains) <= {2, 3} and 3 in chains
-    assert llm.scheduler.num_preemptions > 0
+    chains, prompts, refs = _chained_arrivals(llm, model_dir)
     stats = llm.scheduler.stats
     assert stats.rounds >= sum(chains) and stats.drafts_accepted < stats.drafts_proposed
     if method == "ngram":   # (random MTP and DFlash layers draft no token the target takes)
         assert stats.drafts_accepted > 0
-    # a stop token ends each sequence where it first comes, inside a chain or not
-    stops = [r[9] for r in refs]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                 stop_token_ids=[t])
-                                  for t in stops])
-    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    assert_stops_where_first_met(llm, prompts, refs, 9)
     chains.clear()
     llm.generate(prompts[:2], SamplingParams(max_tokens=12, temperature=0.8, seed=3))
     assert not chains
@@ -196,23 +199,8 @@ def test_plain_decode_steps_chained_are_exact(checkpoint, name):
     assert LLM(model_dir, device="cpu", **kw).worker.capacity.chain_rounds == 0
     llm = LLM(model_dir, device="cpu", chain_rounds=3, **kw)
     assert llm.worker.capacity.chain_rounds == 3
-    chains, execute = [], llm.worker._execute_chain
-
-    def recorded(plan):
-        chains.append(plan.work[0].steps)
-        return execute(plan)
-    llm.worker._execute_chain = recorded
-    prompts = [llm.encode(p) for p in PROMPTS]
-    refs = reference(model_dir, prompts)
-    outs = run_with_arrivals(llm, {0: prompts[:2], 2: prompts[2:3], 5: prompts[3:]}, GREEDY)
-    assert [o.token_ids for o in outs] == refs
-    assert chains and set(chains) <= {2, 3} and 3 in chains
-    assert llm.scheduler.num_preemptions > 0
-    stops = [r[9] for r in refs]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                 stop_token_ids=[t])
-                                  for t in stops])
-    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    chains, prompts, refs = _chained_arrivals(llm, model_dir)
+    assert_stops_where_first_met(llm, prompts, refs, 9)
     chains.clear()
     outs = llm.generate(prompts[:2], [SamplingParams(max_tokens=12, temperature=0,
                                                      ignore_eos=True),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import checkpoints
+from conftest import assert_stops_where_first_met
 from metrale.cluster.params import SamplingParams
 from metrale.cluster.plan import AHEAD
 from metrale.deploy.llm import LLM
@@ -176,11 +177,7 @@ def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, 
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == refs
     assert chains and not eager and max(chains) == CHAIN_ROUNDS
-    stops = [r[12] for r in refs]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                 stop_token_ids=[t])
-                                  for t in stops])
-    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    assert_stops_where_first_met(llm, prompts, refs, 12)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
@@ -209,11 +206,7 @@ def test_plain_decode_steps_chained_replay_graphs_and_keep_the_reference_tokens(
     assert [o.token_ids for o in outs] == refs
     assert chains and not eager and max(chains) == CHAIN_ROUNDS
     assert any(w.tokens == [AHEAD] for p in plans for w in p.work)
-    stops = [r[12] for r in refs]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                 stop_token_ids=[t])
-                                  for t in stops])
-    assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    assert_stops_where_first_met(llm, prompts, refs, 12)
     plans.clear()
     outs = llm.generate(prompts[:2], [SamplingParams(max_tokens=40, temperature=0,
                                                      ignore_eos=True),
