@@ -508,9 +508,9 @@ class Worker:
             self._track_history(work)
             seen = self.proposer.before_chain([w.slot for w in work],
                                               [w.context_len for w in work]) if layered else None
-            # (only n-gram lookups read the whole history; the rest draft from the last token)
-            histories = [self.history[w.slot] if self.proposer is not None and not layered
-                         else w.tokens for w in work]
+            # only n-gram lookups read the whole history; the rest draft from the last token
+            lookups = self.proposer is not None and self.proposer.method == "ngram"
+            histories = [self.history[w.slot] if lookups else w.tokens for w in work]
             landed = self.chain.run(layout, histories, rounds, seen)
         else:
             self._track_history(work)
