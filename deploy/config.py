@@ -60,7 +60,7 @@ class MetraleConfig(BaseModel):
                                      "rounds (without speculation: plain greedy decode steps) "
                                      "one plan runs on the device before the host reads their "
                                      "tokens (a new request waits for the chain); default: 8 "
-                                     "with CUDA graphs and a proposer, else 0 (off).")
+                                     "with CUDA graphs, else 0 (off).")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "

@@ -142,7 +142,7 @@ class WorkerConfig:
                                          # (the step budget), compiling its kernels before serving
     chain_rounds: int | None = None      # greedy n-gram, MTP or DFlash rounds (or, without a
                                          # proposer, plain decode steps) a plan may chain (None:
-                                         # CHAIN_ROUNDS with CUDA graphs and a proposer, else 0)
+                                         # CHAIN_ROUNDS with CUDA graphs, else 0)
 
     @property
     def torch_device(self) -> torch.device:
@@ -273,16 +273,15 @@ class Worker:
         log.info("worker on %s: %s", self.device, self.memory_report())
 
     def _chain_rounds(self) -> int:
-        """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer on
-        one rank only, by default CHAIN_ROUNDS where CUDA graphs replay (elsewhere every round
-        waits for the host anyway; README, "Rounds chained on the device, measured"). Off the
-        graph path a plan's MTP or DFlash rounds run one by one. Without a proposer, plain
-        greedy decode steps chain only when `chain_rounds` asks for it (README, "Plain decode
-        steps chained")."""
+        """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer or
+        none (plain greedy decode steps) on one rank only, by default CHAIN_ROUNDS where CUDA
+        graphs replay (elsewhere every round waits for the host anyway; README, "Rounds
+        chained on the device, measured" and "Plain decode steps chained"). Off the graph
+        path a plan's rounds run one by one unless `chain_rounds` asks for chains."""
         rounds = self.config.chain_rounds
         method = self.proposer.method if self.proposer is not None else "none"
         if rounds is None:
-            rounds = CHAIN_ROUNDS if self.use_graphs and method != "none" else 0
+            rounds = CHAIN_ROUNDS if self.use_graphs else 0
         if rounds < 0:
             raise ValueError(f"chain_rounds must be 0 or more, not {rounds}")
         return rounds if method in ("none", "ngram", *LAYER_DRAFTERS) and self.tp.size == 1 else 0

@@ -191,8 +191,8 @@ def test_plain_decode_steps_chained_are_exact(checkpoint, name):
     """Without a proposer, `chain_rounds` chains greedy decode steps as rounds of depth 0: with
     arrivals, preemption for blocks, chains cut short by max_tokens and sequences that stop
     inside a chain, the tokens are transformers' greedy ones. A plan with a sampled sequence
-    in it runs its steps one by one; and without `chain_rounds` plain decoding chains nothing
-    (its default)."""
+    in it runs its steps one by one; and without `chain_rounds` plain decoding on the CPU (no
+    CUDA graphs) chains nothing."""
     model_dir = checkpoint(name)
     kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
               kv_cache_bytes=40 * _kv_block_bytes(model_dir))

@@ -59,7 +59,8 @@ def test_decode_steps_launched_ahead_keep_the_reference_tokens(checkpoint, monke
     taken on the device from the first's argmaxes. Prompts of different lengths (one of one
     token), different max_tokens, a stop token met while a step was planned ahead, and a sampled
     request (whose steps run to their end) give transformers' tokens, and steps did fly. Plans
-    of 4 decode steps (as a served request read at its end runs) give the same tokens."""
+    of 4 decode steps (as a served request read at its end runs) give the same tokens. Chains
+    (the graph path's default) are off: they would take every greedy step."""
     from metrale.workers.worker import Worker
     flights = []
     launch = Worker._launch_decode
@@ -67,7 +68,7 @@ def test_decode_steps_launched_ahead_keep_the_reference_tokens(checkpoint, monke
                         lambda self, work: flights.append(len(work)) or launch(self, work))
     model_dir = checkpoint(name)
     llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=16,
-              decode_steps=decode_steps)
+              decode_steps=decode_steps, chain_rounds=0)
     assert llm.worker.graphs is not None
     prompts = [llm.encode(p) for p in ["def schedule(self, tokens):", "The café engine"]]
     prompts.append(prompts[0][:1])
@@ -182,15 +183,14 @@ def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
 def test_plain_decode_steps_chained_replay_graphs_and_keep_the_reference_tokens(checkpoint, name):
-    """Without a proposer, `chain_rounds` chains greedy decode steps on the graph path: one
+    """Without a proposer, greedy decode steps chain on the graph path by default: one
     graph replay a step (captured at start for every bucket), one host read a chain, the plans
     made ahead chained too (their first token taken from the chain before). The tokens are
     transformers' greedy ones, also for sequences that stop inside a chain, and a sampled
     request beside them runs its steps one by one."""
     from metrale.workers.worker import Worker
     model_dir = checkpoint(name)
-    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64,
-              chain_rounds=CHAIN_ROUNDS)
+    llm = LLM(model_dir, device="cuda", dtype="float32", block_size=4, max_num_batched_tokens=64)
     worker = llm.worker
     assert worker.capacity.chain_rounds == CHAIN_ROUNDS and worker.chain is not None
     assert len(worker.chain.graphs_by_shape) == len(worker.graphs.buckets)   # 1 row each
