@@ -65,11 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--methods", default="none,mtp,dflash,ngram",
                    help="proposers timed on the bundled model or a given directory ('none': "
-                        "plain; 'ngram@7': at most 7 drafts a round instead of the default; "
+                        "plain, its greedy steps chained on a graph worker; 'none/c0': one "
+                        "step a plan; 'ngram@7': at most 7 drafts a round instead of the default; "
                         "'ngram=3': exactly 3 every round, no adaptive draft length; a '/g4' "
                         "tail: prefill_gather=4, as 'mtp/g4'; a '/c8' tail: chain_rounds=8, "
-                        "as 'mtp/c8', 'dflash/c8', 'mtp/g4/c8' or 'none/c8', plain decode "
-                        "steps chained)")
+                        "as 'mtp/c8', 'dflash/c8' or 'mtp/g4/c8')")
     p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
     p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")
