@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import random
 import time
@@ -453,9 +454,11 @@ class Scheduler:
         proposing, layout, verdicts, update) is not paid. Depth 0 (the draft policy chose no
         drafts) chains too: plain decode steps that feed the drafter as verifies do, so k = 0
         costs what plain decoding does, where one step a plan would pay the host each token
-        (a speculative engine plans no step ahead). The rounds stop at what the sequences
-        may still emit (every round emits a token or more each) and at the context; each
-        sequence's blocks are taken for every row the rounds may write, or none are."""
+        (a speculative engine plans no step ahead). The rounds stop at the context and at what
+        the sequences may still emit, counted in rounds at the draft policy's expected tokens a
+        round, rounded up: a round run after every sequence has ended costs a whole round for
+        nothing, while a chain cut short costs one more plan, whose rounds are counted again.
+        Each sequence's blocks are taken for every row the rounds may write, or none are."""
         most, depth = self.capacity.chain_rounds, max((k for _, _, k in chosen), default=0)
         if most < 2 or not chosen:
             return 0
@@ -463,7 +466,9 @@ class Scheduler:
             if (n != 1 or not seq.decoding or max(k, pad.get(seq.seq_id, 0)) != depth
                     or not self._sampling(seq, 0).greedy or self._read_each_token(seq)):
                 return 0
-        rounds = min(most, max(self._tokens_left(seq) for seq, _, _ in chosen),
+        per_round = self.drafts.expected_tokens(depth) if depth else 1.0
+        left = max(self._tokens_left(seq) for seq, _, _ in chosen)
+        rounds = min(most, math.ceil(left / per_round),
                      min((self.max_model_len - seq.num_computed) // (depth + 1)
                          for seq, _, _ in chosen))
         if rounds < 2:

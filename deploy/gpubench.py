@@ -246,18 +246,29 @@ def steady_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[int
     """Greedy decoding of every prompt, for its `lengths` tokens, with at most `batch` sequences
     running at once (the scheduler's max_num_seqs for this run): as one finishes, the next
     request is admitted, as in serving under steady load. Timed from the first step to the last,
-    the later requests' prefills included; tokens/s counts every token emitted."""
+    the later requests' prefills included; tokens/s counts every token emitted.
+    `loaded_tokens_per_s` counts only the steps until the queue emptied (the last request
+    admitted): while requests wait, `batch` sequences run at every step, so it is the
+    throughput at that batch size under load, without the drain at the end, where fewer run
+    (None when no request waited for a seat, all `batch` of them admitted at once)."""
     sched = llm.scheduler
     with at_most(llm, batch):
         ids = [llm.add_request(p, greedy(n)) for p, n in zip(prompts, lengths)]
         sched.stats = SpecStats()
+        loaded = None   # (tokens, seconds) when the queue emptied
         steps, start = 0, time.perf_counter()
         while llm.has_work:
             llm.step()
             steps += 1
+            if loaded is None and not sched.waiting:
+                loaded = (sum(len(s.output_ids) for i in ids for s in sched.by_request[i]),
+                          time.perf_counter() - start)
         wall = time.perf_counter() - start
     total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
+    waited = len(prompts) > batch and loaded and loaded[1]
     return {"steady_tokens_per_s": total / wall if wall else 0.0, "steady_tokens": total,
+            "loaded_tokens_per_s": loaded[0] / loaded[1] if waited else None,
+            "loaded_s": loaded[1] if waited else None,
             "steady_requests": len(prompts), "steady_steps": steps, "steady_wall_s": wall,
             "steady_mean_acceptance_length": (sched.stats.mean_acceptance_length
                                               if sched.stats.rounds else None)}
@@ -356,6 +367,9 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
             if steady[spec]:
                 steady[spec].sort(key=lambda r: r["steady_tokens_per_s"])
                 out[spec][b].update(steady[spec][len(steady[spec]) // 2])
+                loaded = sorted(r["loaded_tokens_per_s"] for r in steady[spec]
+                                if r["loaded_tokens_per_s"])   # the median of its own
+                out[spec][b]["loaded_tokens_per_s"] = loaded[len(loaded) // 2] if loaded else None
             if arrived[spec]:   # the turn of the median first-token time
                 arrived[spec].sort(key=lambda r: r["arrival_ttft_p50_ms"])
                 out[spec][b].update(arrived[spec][len(arrived[spec]) // 2])
@@ -561,6 +575,12 @@ def _speedups(engine: dict, key: str = "tokens_per_s") -> dict[str, dict[int, fl
             for m, runs in engine.items() if m != "none"}
 
 
+def _proposer_speedups(engine: dict | None, key: str = "tokens_per_s") -> dict:
+    """_speedups of the proposers alone: a plain variant ('none/c0') is no proposer."""
+    speed = _speedups(engine, key) if engine and "none" in engine else {}
+    return {m: r for m, r in speed.items() if method_options(m)["speculative_method"] != "none"}
+
+
 def targets(models: dict) -> list[dict]:
     """Each target: what it measures, the measured value (None: not measured), the bound, PASS/MISS."""
     rows = []
@@ -589,22 +609,25 @@ def targets(models: dict) -> list[dict]:
             add(f"verify of {k} drafts / one decode step, batch 1, {name}", ratio.get(k), bound,
                 True, f"{f['verify_ms_batch1'][k]:.2f} ms" if k in ratio else "")
     engine = _engine(models, "bundled")
-    speed = _speedups(engine) if engine and "none" in engine else {}
-    # a plain variant ('none/c8': plain decode steps chained) is no proposer
-    speed = {m: r for m, r in speed.items() if method_options(m)["speculative_method"] != "none"}
+    speed = _proposer_speedups(engine)
     best1 = max(((r[1], m) for m, r in speed.items() if 1 in r), default=None)
     add("best proposer / plain tokens/s, bundled, T=0, batch 1", best1 and best1[0], 2.5, False,
         best1 and best1[1] or "")
-    worst = max(((min(r.values()), m) for m, r in speed.items() if r), default=None)
-    if worst and max(b for r in speed.values() for b in r) < 64:
-        worst_detail = f"{worst[1]}, batch sizes up to {max(b for r in speed.values() for b in r)}"
-    else:
-        worst_detail = worst and f"{worst[1]} (its lowest over batch sizes)"
-    add("speculative / plain tokens/s at every batch size <= 64, bundled", worst and worst[0], 1.0,
-        False, worst_detail or "")
-    best32 = max(((r[32], m) for m, r in speed.items() if 32 in r), default=None)
-    add("speculative / plain tokens/s, batch 32, bundled", best32 and best32[0], 1.3, False,
-        best32 and best32[1] or "")
+    # at a batch size: one batch of B sequences, whose last ones run in a smaller batch, and
+    # B running under load (steady runs until the queue emptied)
+    for key, how in (("tokens_per_s", "one batch"), ("loaded_tokens_per_s", "under load")):
+        speed = _proposer_speedups(engine, key)
+        worst = max(((min(r.values()), m) for m, r in speed.items() if r), default=None)
+        if worst and max(b for r in speed.values() for b in r) < 64:
+            top = max(b for r in speed.values() for b in r)
+            worst_detail = f"{worst[1]}, batch sizes up to {top}"
+        else:
+            worst_detail = worst and f"{worst[1]} (its lowest over batch sizes)"
+        add(f"speculative / plain tokens/s at every batch size <= 64, bundled, {how}",
+            worst and worst[0], 1.0, False, worst_detail or "")
+        best32 = max(((r[32], m) for m, r in speed.items() if 32 in r), default=None)
+        add(f"speculative / plain tokens/s, batch 32, bundled, {how}", best32 and best32[0], 1.3,
+            False, best32 and best32[1] or "")
     for name, m in models.items():
         hf, eng = m.get("hf_generate", {}).get(1), m.get("engine") or {}
         ours = max(((runs[1]["tokens_per_s"], meth) for meth, runs in eng.items() if 1 in runs),
@@ -654,7 +677,9 @@ def format_report(report: dict) -> str:
                           f"{spread:.0%} tokens, at most B running)")
                 for key, note in (("tokens_per_s", ""),
                                   ("full_batch_tokens_per_s", "   (until the first sequence finished)"),
-                                  ("steady_tokens_per_s", steady)):
+                                  ("steady_tokens_per_s", steady),
+                                  ("loaded_tokens_per_s", "   (the same, until the queue emptied: "
+                                                          "B running, under load)")):
                     for meth, r in _speedups(eng, key).items():
                         lines.append(f"  {meth + ' / none':<12}" + "".join(
                             f"{r[b]:>16.2f}x" if b in r else " " * 17 for b in sizes) + note)

@@ -238,10 +238,11 @@ def test_fixed_mode_always_answers_num_drafts():
 
 # -- the scheduler plans with the policy's k, within each sequence's limits ---------------------
 
-def scheduler(checkpoint, slot_capacity, **config):
+def scheduler(checkpoint, slot_capacity, chain_rounds=0, **config):
     capacity = WorkerCapacity(num_blocks=64, block_size=4, num_slots=len(slot_capacity),
                               max_model_len=256, vocab_size=384, eos_token_ids=(0,),
-                              hybrid=False, proposer="ngram", slot_capacity=slot_capacity)
+                              hybrid=False, proposer="ngram", slot_capacity=slot_capacity,
+                              chain_rounds=chain_rounds)
     return Scheduler(SchedulerConfig(**config), capacity, load_tokenizer(checkpoint("qwen3")))
 
 
@@ -296,6 +297,22 @@ def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):
                                   0.001, 0.002))
     cost = s.drafts.costs[2][4]
     assert cost.samples == 1 and cost.propose_s == 0.001 and cost.forward_s >= 0.049
+
+
+@pytest.mark.parametrize("accepted, rounds", [(1.0, 3), (0.0, 8)])
+def test_a_chain_runs_the_rounds_its_sequences_are_expected_to_need(checkpoint, accepted, rounds):
+    """Greedy rounds chained on the device stop at what the longest-running sequence may still
+    emit, at the tokens a round is expected to commit: with every draft accepted (4 a round
+    at k = 3) 10 tokens take 3 rounds; with none, 1 a round, the chain's most (8) of 10."""
+    s = scheduler(checkpoint, (3, 3), chain_rounds=8, num_drafts=3, adaptive_drafts=False)
+    for i, max_tokens in enumerate((11, 6)):
+        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                         ignore_eos=True))
+    step(s)                                        # prefill: each has its first token
+    s.drafts.record_acceptance([(3, 3 if accepted else 0)] * 200)
+    plan = s.schedule()
+    assert s.drafts.expected_tokens(3) == pytest.approx(1 + 3 * accepted, abs=0.05)
+    assert [(w.num_drafts, w.steps) for w in plan.work] == [(3, rounds)] * 2
 
 
 def test_fixed_drafts_switch(checkpoint):

@@ -56,6 +56,9 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 assert run["steady_requests"] == 4 * b
                 assert run["steady_tokens"] == sum(steady_lengths(4 * b, 12, 0.5))
                 assert run["steady_tokens_per_s"] > 0
+                # until the queue emptied: B sequences ran at every step, the drain left out
+                assert 0 < run["loaded_s"] < run["steady_wall_s"]
+                assert run["loaded_tokens_per_s"] > 0
                 assert method != "none" or run["steady_steps"] >= 4 * 12
                 # the same requests arriving at random: every token, and first-token times
                 assert run["arrival_tokens"] == run["steady_tokens"]
@@ -71,12 +74,13 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                     assert (run["acceptance"] is None) == (proposed == 0)
         assert m["hf_generate"]["1"]["tokens_per_s"] > 0
     targets = {t["target"]: t for t in report["targets"]}
-    assert len(targets) == 13
+    assert len(targets) == 15
     for name, m in report["models"].items():
         detail = targets[f"metrale / transformers generate tokens/s, batch 1, {name}"]["detail"]
         at_floor = m["floor"]["tokens_per_s_batch1"] / m["hf_generate"]["1"]["tokens_per_s"]
         assert detail.endswith(f"; {at_floor:.1f}x at the floor")
-    assert targets["speculative / plain tokens/s, batch 32, bundled"]["result"] == "n/a"
+    for how in ("one batch", "under load"):
+        assert targets[f"speculative / plain tokens/s, batch 32, bundled, {how}"]["result"] == "n/a"
     assert all(t["result"] in ("PASS", "MISS") for name, t in targets.items() if "32" not in name)
     printed = capsys.readouterr().out
     assert "PASS" in printed or "MISS" in printed
@@ -111,12 +115,15 @@ def test_a_plain_variant_is_no_proposer_in_the_targets():
     """'none/c8' (plain decode steps chained) is timed beside the proposers, and its ratio over
     'none' printed, but the proposer targets are the proposers' alone."""
     from metrale.deploy.gpubench import targets
-    runs = lambda *tps: {b: {"tokens_per_s": t} for b, t in zip((1, 32), tps)}
+    runs = lambda *tps: {b: {"tokens_per_s": t, "loaded_tokens_per_s": 2 * t}
+                         for b, t in zip((1, 32), tps)}
     engine = {"none": runs(1000, 20000), "none/c8": runs(3000, 70000), "mtp": runs(2600, 27000)}
     rows = {t["target"]: t for t in targets({"bundled": {"engine": engine}})}
     best = rows["best proposer / plain tokens/s, bundled, T=0, batch 1"]
     assert best["detail"] == "mtp" and abs(best["measured"] - 2.6) < 1e-9
-    assert rows["speculative / plain tokens/s, batch 32, bundled"]["measured"] == 27000 / 20000
+    for how in ("one batch", "under load"):
+        row = rows[f"speculative / plain tokens/s, batch 32, bundled, {how}"]
+        assert row["measured"] == 27000 / 20000 and row["detail"] == "mtp"
 
 
 def test_the_floor_target_takes_a_token_per_decode_step_even_when_steps_chain():
