@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.drafting.proposer import CommittedRows, Proposal, ProposeRequest
+from metrale.workers.models import kernels
 
 
 def ngram_drafts(history: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
@@ -21,11 +22,20 @@ def ngram_drafts(history: list[int], num_drafts: int, min_n: int, max_n: int) ->
 
 def ngram_drafts_on_device(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int,
                            min_n: int, max_n: int) -> torch.Tensor:
-    """`ngram_drafts` for many sequences at once, in a few tensor ops that never wait for the
-    host (a CUDA graph holds them): history [S, H] holds each sequence's tokens in its first
-    lengths[i] (>= 1) columns. Returns [S, num_drafts]: the drafts, then the sequence's last
-    token as filler where fewer follow the match (all filler without one). Greedy verdicts
-    hold whatever the drafts are, so filler only costs a rejected row.
+    """`ngram_drafts` for many sequences at once, never waiting for the host (a CUDA graph
+    holds it): history [S, H] holds each sequence's tokens in its first lengths[i] (>= 1)
+    columns. Returns [S, num_drafts]: the drafts, then the sequence's last token as filler
+    where fewer follow the match (all filler without one). Greedy verdicts hold whatever the
+    drafts are, so filler only costs a rejected row. Where the Triton kernels run, one kernel
+    (`kernels.ngram_lookup`); elsewhere `ngram_drafts_in_tensors`, its reference."""
+    if kernels.runs_on(history.device):
+        return kernels.ngram_lookup(history, lengths, num_drafts, min_n, max_n)
+    return ngram_drafts_in_tensors(history, lengths, num_drafts, min_n, max_n)
+
+
+def ngram_drafts_in_tensors(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int,
+                            min_n: int, max_n: int) -> torch.Tensor:
+    """`ngram_drafts_on_device` in a few tensor ops over the whole width of the table.
 
     A match of n tokens ends at column e when history[e - k] equals the suffix's k-th token
     from the end for every k < n (built up one k at a time: elementwise ops over [S, H], with

@@ -258,6 +258,32 @@ def _compiled(kernel):
     return caches[torch.cuda.current_device()][0]
 
 
+@pytest.mark.parametrize("min_n, max_n, k", [(1, 4, 7), (2, 3, 3), (1, 1, 1), (3, 5, 15)])
+def test_ngram_lookup_drafts_what_the_scan_drafts(min_n, max_n, k):
+    """One program a sequence: the drafts of `ngram_drafts` (the scan, the definition) then the
+    last token as filler, as the tensor ops make them, for histories of 1 token to longer than
+    a block of the kernel's scan, in a wider table whose columns past each history hold junk,
+    read through a view of some of its rows (as a chain reads its bucket's)."""
+    from metrale.drafting.ngram import ngram_drafts, ngram_drafts_in_tensors
+    gen = torch.Generator().manual_seed(min_n * 100 + max_n * 10 + k)
+    lengths = [1, 2, 5, 40, 255, 256, 257, 600, 31, 3]
+    histories = [torch.randint(0, 3 if i % 2 else 12, (n,), generator=gen).tolist()
+                 for i, n in enumerate(lengths)]
+    histories[4] = list(range(200)) + list(range(55))   # a match ending far back
+    table = torch.randint(0, 12, (len(lengths) + 2, 700), generator=gen)
+    for row, h in zip(table, histories):
+        row[:len(h)] = torch.tensor(h)
+    table = table.to(DEVICE)
+    used = torch.tensor(lengths, device=DEVICE)
+    got = kernels.ngram_lookup(table[:len(lengths)], used, k, min_n, max_n)
+    assert got.dtype == torch.long and got.shape == (len(lengths), k)
+    assert torch.equal(got, ngram_drafts_in_tensors(table[:len(lengths)], used, k, min_n, max_n))
+    for drafts, h in zip(got.tolist(), histories):
+        want = ngram_drafts(h, k, min_n, max_n)
+        assert drafts == want + [h[-1]] * (k - len(want))
+    assert any(len(ngram_drafts(h, k, min_n, max_n)) == k for h in histories)   # real drafts
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels: CUDA only")
 def test_greedy_accept_compiles_at_start_up_not_in_a_round():
     """capture_commits compiles the counting kernel for every verify length up to its

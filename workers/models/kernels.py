@@ -264,6 +264,38 @@ if triton is not None:
             tl.store(index_ptr + i, pad_slot)
             tl.store(index_ptr + index_stride + i, pad_entry)
 
+    @triton.jit(do_not_specialize=["hist_ptr", "len_ptr", "out_ptr", "stride_h", "width"])
+    def _ngram_lookup_kernel(hist_ptr, len_ptr, out_ptr, stride_h, width, num_drafts,
+                             MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK: tl.constexpr,
+                             D_PAD: tl.constexpr, PDL: tl.constexpr):
+        """Program s: sequence s's n-gram drafts (ngram_drafts_on_device's, see ngram_lookup).
+        Scans only the columns before its last token, BLOCK at a time, however wide the table:
+        at each end e, the longest n (MIN_N..MAX_N) whose n tokens ending at e are the
+        sequence's last n; the best (n, e) is the one with the largest n * width + e."""
+        _after_previous(PDL)
+        s = tl.program_id(0)
+        row = hist_ptr + s.to(tl.int64) * stride_h
+        last = tl.load(len_ptr + s).to(tl.int32) - 1
+        best = tl.full([], -1, tl.int32)
+        for start in range(0, last, BLOCK):
+            e = start + tl.arange(0, BLOCK)
+            agree = e < last
+            score = tl.full([BLOCK], -1, tl.int32)
+            for n in tl.static_range(1, MAX_N + 1):
+                agree = agree & (e >= n - 1)
+                token = tl.load(row + e - (n - 1), mask=agree, other=-1)
+                agree = agree & (token == tl.load(row + tl.maximum(last - (n - 1), 0)))
+                if n >= MIN_N:   # (e < last and e >= n - 1: the last n tokens exist)
+                    score = tl.where(agree, n * width + e, score)
+            best = tl.maximum(best, tl.max(score, 0))
+        found = tl.where(best >= 0, best % width + 1, -1)   # where the drafts begin
+        j = tl.arange(0, D_PAD)
+        at = found + j
+        real = (at >= j) & (at <= last) & (j < num_drafts)   # (at >= j: a match was found)
+        drafts = tl.load(row + at, mask=real, other=0)
+        filler = tl.load(row + last)
+        tl.store(out_ptr + s * num_drafts + j, tl.where(real, drafts, filler), mask=j < num_drafts)
+
     @triton.jit
     def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr,
                               index_stride, slots, entries, conv_size, state_size,
@@ -759,6 +791,22 @@ def commit_states(conv: torch.Tensor, state: torch.Tensor, verify_conv: torch.Te
     _commit_states_kernel[grid](conv, state, verify_conv, verify_state, index, index.stride(0),
                                 slots, verify_conv.shape[1], conv_size, state_size, BLOCK=block,
                                 **_pdl(), num_warps=4)
+
+
+def ngram_lookup(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, min_n: int,
+                 max_n: int) -> torch.Tensor:
+    """drafting.ngram's `ngram_drafts_in_tensors` in one launch (its reference): history
+    [S, W] holds each sequence's tokens in its first lengths[i] (>= 1) columns (a view of a
+    wider buffer may be passed). Returns [S, num_drafts] long: the drafts, then the last
+    token as filler. The tensor ops read all W columns of every sequence in some 20 launches;
+    this reads a sequence's own tokens, once per n."""
+    assert history.stride(1) == 1 and lengths.is_contiguous()
+    rows = history.shape[0]
+    out = torch.empty(rows, num_drafts, dtype=torch.long, device=history.device)
+    _ngram_lookup_kernel[(rows,)](history, lengths, out, history.stride(0), history.shape[1],
+                                  num_drafts, MIN_N=min_n, MAX_N=max_n, BLOCK=256,
+                                  D_PAD=_pow2(num_drafts), **_pdl(), num_warps=4)
+    return out
 
 
 def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
