@@ -17,6 +17,7 @@ import torch
 
 from metrale.drafting.ngram import ngram_drafts_on_device
 from metrale.workers.batch import RowsLayout, to_device
+from metrale.workers.models import kernels
 from metrale.workers.cuda_graphs import GraphRunner
 
 
@@ -52,6 +53,37 @@ def advance(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor,
     history.scatter_(1, used[:, None] + torch.arange(best.shape[1], device=best.device), best)
     used.add_(accepted + 1)
     context.add_(accepted + 1)
+
+
+def round_inputs(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor,
+                 drafts: torch.Tensor, tables: torch.Tensor, block_size: int, ids: torch.Tensor,
+                 positions: torch.Tensor, kv_index: torch.Tensor, context_in: torch.Tensor) -> None:
+    """A chained round's step inputs, written into the step's buffers: each sequence's pending
+    token (its history's last) then its drafts [S, k], at positions context.. (KV indices
+    through the block tables), and the cached lengths. Where the Triton kernels run, one
+    launch (`kernels.round_inputs`, whose reference this is)."""
+    if kernels.runs_on(history.device):
+        return kernels.round_inputs(history, used, context, drafts, tables, block_size, ids,
+                                    positions, kv_index, context_in)
+    row_ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
+    at = context[:, None] + torch.arange(row_ids.shape[1], device=history.device)
+    kv = tables.gather(1, at // block_size).long() * block_size + at % block_size
+    ids.copy_(row_ids.view(-1))
+    positions.copy_(at.view(-1))
+    kv_index.copy_(kv.view(-1))
+    context_in.copy_(context)
+
+
+def land(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor, best: torch.Tensor,
+         accepted: torch.Tensor, landing: torch.Tensor) -> None:
+    """`advance`, and the round's argmaxes then its accepted count into each landing row; one
+    launch where the Triton kernels run (`kernels.round_advance`)."""
+    if kernels.runs_on(history.device):
+        return kernels.round_advance(history, used, context, best, accepted, landing)
+    advance(history, used, context, best, accepted)
+    length = best.shape[1]
+    landing[:, :length].copy_(best)
+    landing[:, length].copy_(accepted)
 
 
 class ChainRunner:
@@ -137,25 +169,20 @@ class ChainRunner:
         history, used, context = self.history[:bucket], self.used[:bucket], self.context[:bucket]
         seen, drafter = self.seen[:bucket], self.drafter
         tables = graphs.tables[:bucket]
-        rows = torch.arange(length, device=history.device)
         counts = torch.full((bucket,), depth, dtype=torch.long, device=history.device)
         step = {}
 
         def before(views):
             ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
-            if drafter is None or not depth:
-                drafts, ids = draft_round(history, used, depth, self.min_n, self.max_n)
+            if not depth:   # a plain decode step
+                drafts = history[:, :0]
+            elif drafter is None:
+                drafts = ngram_drafts_on_device(history, used, depth, self.min_n, self.max_n)
             else:
-                pending = history.gather(1, used[:, None] - 1)
-                drafts = drafter.round_drafts(slots_in, pending[:, 0], context, seen, tables,
-                                              depth)
-                ids = torch.cat([pending, drafts], 1)
-            positions = context[:, None] + rows
-            kv = tables.gather(1, positions // bs).long() * bs + positions % bs
-            ids_in.copy_(ids.view(-1))
-            positions_in.copy_(positions.view(-1))
-            kv_in.copy_(kv.view(-1))
-            context_in.copy_(context)
+                pending = history.gather(1, used[:, None] - 1)[:, 0]
+                drafts = drafter.round_drafts(slots_in, pending, context, seen, tables, depth)
+            round_inputs(history, used, context, drafts.contiguous(), tables, bs, ids_in,
+                         positions_in, kv_in, context_in)
             step.update(ids=ids_in, drafts=drafts, slots=slots_in)
 
         def after(logits, hidden, captured):
@@ -168,8 +195,6 @@ class ChainRunner:
             if drafter is not None:   # the committed rows: pending token, accepted drafts
                 drafter.round_commit(best, context, accepted + 1, seen, step["slots"], tables,
                                      hidden, captured, length)
-            best = best.view(bucket, length)
-            advance(history, used, context, best, accepted)
-            self.landing[:bucket, :length].copy_(best)
-            self.landing[:bucket, length].copy_(accepted)
+            land(history, used, context, best.view(bucket, length), accepted,
+                 self.landing[:bucket])
         return before, after

@@ -284,6 +284,47 @@ def test_ngram_lookup_drafts_what_the_scan_drafts(min_n, max_n, k):
     assert any(len(ngram_drafts(h, k, min_n, max_n)) == k for h in histories)   # real drafts
 
 
+@pytest.mark.parametrize("depth", [0, 1, 7])
+def test_a_chained_rounds_bookkeeping_kernels_match_its_tensor_ops(depth, monkeypatch):
+    """round_inputs (rows, positions, KV indices through the block tables) and land (the
+    history, lengths and landing row a round leaves) in one launch each write what their
+    tensor ops write, for sequences whose rows cross a block boundary, in buffers wider than
+    the bucket (views, as a chain's graphs read them)."""
+    from metrale.workers import chain
+    gen = torch.Generator().manual_seed(depth)
+    bucket, width, bs, length = 5, 64, 4, depth + 1
+
+    def state():
+        history = torch.randint(0, 50, (bucket + 2, width), generator=gen)
+        used = torch.tensor([1, 3, 9, 20, 33])
+        context = torch.tensor([0, 2, 7, 18, 30])
+        tables = torch.randperm(40, generator=gen)[:30].view(3, 10).repeat(3, 1)[:bucket + 1]
+        return [t.to(DEVICE) for t in (history, used, context, tables.int())]
+
+    history, used, context, tables = state()
+    drafts = torch.randint(0, 50, (bucket, depth), generator=gen).to(DEVICE)
+    best = torch.randint(0, 50, (bucket, length), generator=gen).to(DEVICE)
+    accepted = torch.randint(0, length, (bucket,), generator=gen).to(DEVICE)
+    outs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(kernels, "runs_on", lambda device, on=kernel: on)
+        h, u, c = history.clone(), used.clone(), context.clone()
+        wide = torch.full((3 * (bucket + 1) * length,), -7, dtype=torch.long, device=DEVICE)
+        ids, pos, kv = (wide[i * bucket * length:(i + 1) * bucket * length] for i in range(3))
+        ctx = torch.full((bucket + 1,), -7, dtype=torch.int32, device=DEVICE)
+        chain.round_inputs(h[:bucket], u, c, drafts, tables[:bucket], bs, ids, pos, kv,
+                           ctx[:bucket])
+        landing = torch.full((bucket + 1, 17), -7, dtype=torch.long, device=DEVICE)
+        chain.land(h[:bucket], u, c, best, accepted, landing[:bucket])
+        outs.append((wide, ctx, h, u, c, landing))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+    wide, ctx, h, u, c, landing = outs[1]
+    assert wide[3 * bucket * length:].eq(-7).all() and ctx[bucket] == -7   # nothing past them
+    assert torch.equal(u, used + accepted + 1) and torch.equal(c, context + accepted + 1)
+    assert torch.equal(landing[:bucket, length], accepted)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels: CUDA only")
 def test_greedy_accept_compiles_at_start_up_not_in_a_round():
     """capture_commits compiles the counting kernel for every verify length up to its

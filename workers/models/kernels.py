@@ -296,6 +296,49 @@ if triton is not None:
         filler = tl.load(row + last)
         tl.store(out_ptr + s * num_drafts + j, tl.where(real, drafts, filler), mask=j < num_drafts)
 
+    @triton.jit(do_not_specialize=["hist_ptr", "used_ptr", "ctx_ptr", "drafts_ptr",
+                                   "tables_ptr", "ids_ptr", "pos_ptr", "kv_ptr", "ctx_out_ptr",
+                                   "stride_h", "stride_t"])
+    def _round_inputs_kernel(hist_ptr, used_ptr, ctx_ptr, drafts_ptr, tables_ptr, ids_ptr,
+                             pos_ptr, kv_ptr, ctx_out_ptr, stride_h, stride_t, length,
+                             PAGE: tl.constexpr, L_PAD: tl.constexpr, PDL: tl.constexpr):
+        """Program s: sequence s's rows of a chained round (see round_inputs)."""
+        _after_previous(PDL)
+        s = tl.program_id(0)
+        used = tl.load(used_ptr + s)
+        context = tl.load(ctx_ptr + s)
+        pending = tl.load(hist_ptr + s.to(tl.int64) * stride_h + used - 1)
+        j = tl.arange(0, L_PAD)
+        ok = j < length
+        draft = tl.load(drafts_ptr + s * (length - 1) + j - 1, mask=ok & (j >= 1), other=0)
+        position = context + j
+        page = tl.load(tables_ptr + s.to(tl.int64) * stride_t + position // PAGE, mask=ok,
+                       other=0).to(tl.int64)
+        row = s * length + j
+        tl.store(ids_ptr + row, tl.where(j == 0, pending, draft), mask=ok)
+        tl.store(pos_ptr + row, position, mask=ok)
+        tl.store(kv_ptr + row, page * PAGE + position % PAGE, mask=ok)
+        tl.store(ctx_out_ptr + s, context)
+
+    @triton.jit(do_not_specialize=["hist_ptr", "used_ptr", "ctx_ptr", "best_ptr",
+                                   "accepted_ptr", "landing_ptr", "stride_h", "stride_l"])
+    def _round_advance_kernel(hist_ptr, used_ptr, ctx_ptr, best_ptr, accepted_ptr, landing_ptr,
+                              stride_h, stride_l, length, L_PAD: tl.constexpr,
+                              PDL: tl.constexpr):
+        """Program s: appends sequence s's round to its history (see round_advance)."""
+        _after_previous(PDL)
+        s = tl.program_id(0)
+        used = tl.load(used_ptr + s)
+        accepted = tl.load(accepted_ptr + s)
+        j = tl.arange(0, L_PAD)
+        ok = j < length
+        best = tl.load(best_ptr + s * length + j, mask=ok, other=0)
+        tl.store(hist_ptr + s.to(tl.int64) * stride_h + used + j, best, mask=ok)
+        tl.store(landing_ptr + s * stride_l + j, best, mask=ok)
+        tl.store(landing_ptr + s * stride_l + length, accepted)
+        tl.store(used_ptr + s, used + accepted + 1)
+        tl.store(ctx_ptr + s, tl.load(ctx_ptr + s) + accepted + 1)
+
     @triton.jit
     def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr,
                               index_stride, slots, entries, conv_size, state_size,
@@ -807,6 +850,35 @@ def ngram_lookup(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, 
                                   num_drafts, MIN_N=min_n, MAX_N=max_n, BLOCK=256,
                                   D_PAD=_pow2(num_drafts), **_pdl(), num_warps=4)
     return out
+
+
+def round_inputs(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor,
+                 drafts: torch.Tensor, tables: torch.Tensor, block_size: int, ids: torch.Tensor,
+                 positions: torch.Tensor, kv_index: torch.Tensor, context_in: torch.Tensor) -> None:
+    """A chained round's step inputs for S = len(used) sequences of length = drafts.shape[1] + 1
+    rows each, in one launch (workers.chain.round_inputs' tensor ops are its reference): row j
+    of sequence s holds its pending token (history[s, used[s] - 1]) for j = 0, else draft j - 1;
+    at position context[s] + j, whose KV index goes through the block table tables[s]. Writes
+    ids, positions, kv_index [S * length] and context_in [S] (context, in its dtype)."""
+    rows, length = used.shape[0], drafts.shape[1] + 1
+    assert history.stride(1) == 1 and tables.stride(1) == 1
+    assert drafts.is_contiguous() and used.is_contiguous() and context.is_contiguous()
+    _round_inputs_kernel[(rows,)](history, used, context, drafts, tables, ids, positions,
+                                  kv_index, context_in, history.stride(0), tables.stride(0),
+                                  length, PAGE=block_size, L_PAD=_pow2(length), **_pdl(),
+                                  num_warps=1)
+
+
+def round_advance(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor,
+                  best: torch.Tensor, accepted: torch.Tensor, landing: torch.Tensor) -> None:
+    """workers.chain.advance in one launch, and the round's landing row: best [S, length] (the
+    rows' argmaxes) appended to each history at used[s], used and context advanced by
+    accepted[s] + 1, and landing[s] = best[s] then accepted[s]."""
+    rows, length = best.shape
+    assert history.stride(1) == 1 and landing.stride(1) == 1 and best.is_contiguous()
+    _round_advance_kernel[(rows,)](history, used, context, best, accepted, landing,
+                                   history.stride(0), landing.stride(0), length,
+                                   L_PAD=_pow2(length), **_pdl(), num_warps=1)
 
 
 def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
