@@ -28,7 +28,7 @@ def ngram_drafts_on_device(history: torch.Tensor, lengths: torch.Tensor, num_dra
     where fewer follow the match (all filler without one). Greedy verdicts hold whatever the
     drafts are, so filler only costs a rejected row. Where the Triton kernels run, one kernel
     (`kernels.ngram_lookup`); elsewhere `ngram_drafts_in_tensors`, its reference."""
-    if kernels.runs_on(history.device):
+    if kernels.chain_kernels(history.device):
         return kernels.ngram_lookup(history, lengths, num_drafts, min_n, max_n)
     return ngram_drafts_in_tensors(history, lengths, num_drafts, min_n, max_n)
 

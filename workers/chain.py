@@ -62,7 +62,7 @@ def round_inputs(history: torch.Tensor, used: torch.Tensor, context: torch.Tenso
     token (its history's last) then its drafts [S, k], at positions context.. (KV indices
     through the block tables), and the cached lengths. Where the Triton kernels run, one
     launch (`kernels.round_inputs`, whose reference this is)."""
-    if kernels.runs_on(history.device):
+    if kernels.chain_kernels(history.device):
         return kernels.round_inputs(history, used, context, drafts, tables, block_size, ids,
                                     positions, kv_index, context_in)
     row_ids = torch.cat([history.gather(1, used[:, None] - 1), drafts], 1)
@@ -78,7 +78,7 @@ def land(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor, best:
          accepted: torch.Tensor, landing: torch.Tensor) -> None:
     """`advance`, and the round's argmaxes then its accepted count into each landing row; one
     launch where the Triton kernels run (`kernels.round_advance`)."""
-    if kernels.runs_on(history.device):
+    if kernels.chain_kernels(history.device):
         return kernels.round_advance(history, used, context, best, accepted, landing)
     advance(history, used, context, best, accepted)
     length = best.shape[1]

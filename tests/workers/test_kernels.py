@@ -307,7 +307,7 @@ def test_a_chained_rounds_bookkeeping_kernels_match_its_tensor_ops(depth, monkey
     accepted = torch.randint(0, length, (bucket,), generator=gen).to(DEVICE)
     outs = []
     for kernel in (True, False):
-        monkeypatch.setattr(kernels, "runs_on", lambda device, on=kernel: on)
+        monkeypatch.setattr(kernels, "CHAIN", kernel)
         h, u, c = history.clone(), used.clone(), context.clone()
         wide = torch.full((3 * (bucket + 1) * length,), -7, dtype=torch.long, device=DEVICE)
         ids, pos, kv = (wide[i * bucket * length:(i + 1) * bucket * length] for i in range(3))

@@ -40,6 +40,13 @@ def _pow2(n: int) -> int:
 
 PDL = True   # programmatic dependent launch where the GPU has it (False: off, for A/B runs)
 FEW = True   # few_rows for a verify's projections (False: F.linear, for A/B runs)
+CHAIN = True   # a chained round's n-gram lookup and bookkeeping in one launch each (False: the
+               # tensor ops they replace, for A/B runs)
+
+
+def chain_kernels(device: torch.device) -> bool:
+    """Whether a chained round's lookup and bookkeeping run as the kernels here on `device`."""
+    return CHAIN and runs_on(device)
 
 
 @functools.cache
