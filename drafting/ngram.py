@@ -26,8 +26,8 @@ def ngram_drafts_on_device(history: torch.Tensor, lengths: torch.Tensor, num_dra
     holds it): history [S, H] holds each sequence's tokens in its first lengths[i] (>= 1)
     columns. Returns [S, num_drafts]: the drafts, then the sequence's last token as filler
     where fewer follow the match (all filler without one). Greedy verdicts hold whatever the
-    drafts are, so filler only costs a rejected row. Where the Triton kernels run, one kernel
-    (`kernels.ngram_lookup`); elsewhere `ngram_drafts_in_tensors`, its reference."""
+    drafts are, so filler only costs a rejected row. With `kernels.CHAIN` on a GPU, one kernel
+    (`kernels.ngram_lookup`); else `ngram_drafts_in_tensors`, its reference."""
     if kernels.chain_kernels(history.device):
         return kernels.ngram_lookup(history, lengths, num_drafts, min_n, max_n)
     return ngram_drafts_in_tensors(history, lengths, num_drafts, min_n, max_n)

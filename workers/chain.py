@@ -60,7 +60,7 @@ def round_inputs(history: torch.Tensor, used: torch.Tensor, context: torch.Tenso
                  positions: torch.Tensor, kv_index: torch.Tensor, context_in: torch.Tensor) -> None:
     """A chained round's step inputs, written into the step's buffers: each sequence's pending
     token (its history's last) then its drafts [S, k], at positions context.. (KV indices
-    through the block tables), and the cached lengths. Where the Triton kernels run, one
+    through the block tables), and the cached lengths. With `kernels.CHAIN` on a GPU, one
     launch (`kernels.round_inputs`, whose reference this is)."""
     if kernels.chain_kernels(history.device):
         return kernels.round_inputs(history, used, context, drafts, tables, block_size, ids,
@@ -77,7 +77,7 @@ def round_inputs(history: torch.Tensor, used: torch.Tensor, context: torch.Tenso
 def land(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor, best: torch.Tensor,
          accepted: torch.Tensor, landing: torch.Tensor) -> None:
     """`advance`, and the round's argmaxes then its accepted count into each landing row; one
-    launch where the Triton kernels run (`kernels.round_advance`)."""
+    launch with `kernels.CHAIN` on a GPU (`kernels.round_advance`)."""
     if kernels.chain_kernels(history.device):
         return kernels.round_advance(history, used, context, best, accepted, landing)
     advance(history, used, context, best, accepted)
