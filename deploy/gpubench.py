@@ -98,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="worker option cuda_graphs=False")
     p.add_argument("--no-few-rows", action="store_true",
                    help="a verify's projections through F.linear, not kernels.few_rows (A/B)")
+    p.add_argument("--chain-kernels", action="store_true",
+                   help="a chained round's n-gram lookup and bookkeeping as Triton kernels "
+                        "(kernels.CHAIN, off by default until measured)")
     p.add_argument("--ckpt-dir", default="/tmp/metrale-bench",
                    help="where random checkpoints are written (kept and reused)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers generate")
@@ -774,6 +777,7 @@ def run(args) -> int:
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
     kernels.FEW = not args.no_few_rows
+    kernels.CHAIN = kernels.CHAIN or args.chain_kernels
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.device.type == "cuda" and args.device.index is not None:
@@ -808,7 +812,7 @@ def run(args) -> int:
         "torch": torch.__version__, "dtype": args.dtype_name, "small": args.small,
         "worker_options": {"attention_backend": options.get("attention_backend", "auto"),
                            "cuda_graphs": options.get("cuda_graphs", True),
-                           "few_rows": kernels.FEW},
+                           "few_rows": kernels.FEW, "chain_kernels": kernels.CHAIN},
         "bandwidth_bytes_per_s": bandwidth, "copy_bytes": copy_size,
         "steady_waves": args.steady_waves, "steady_spread": args.steady_spread,
         "arrival_rate": args.arrival_rate,
