@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import math
 import logging
+import math
 import random
 import time
 from collections import deque
