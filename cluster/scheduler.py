@@ -466,9 +466,8 @@ class Scheduler:
             if (n != 1 or not seq.decoding or max(k, pad.get(seq.seq_id, 0)) != depth
                     or not self._sampling(seq, 0).greedy or self._read_each_token(seq)):
                 return 0
-        per_round = self.drafts.expected_tokens(depth) if depth else 1.0
-        left = max(self._tokens_left(seq) for seq, _, _ in chosen)
-        rounds = min(most, math.ceil(left / per_round),
+        left = max(self._tokens_left(seq) for seq, _, _ in chosen)   # expected_tokens(0) = 1
+        rounds = min(most, math.ceil(left / self.drafts.expected_tokens(depth)),
                      min((self.max_model_len - seq.num_computed) // (depth + 1)
                          for seq, _, _ in chosen))
         if rounds < 2:

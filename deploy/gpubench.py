@@ -370,9 +370,12 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
             if steady[spec]:
                 steady[spec].sort(key=lambda r: r["steady_tokens_per_s"])
                 out[spec][b].update(steady[spec][len(steady[spec]) // 2])
-                loaded = sorted(r["loaded_tokens_per_s"] for r in steady[spec]
-                                if r["loaded_tokens_per_s"])   # the median of its own
-                out[spec][b]["loaded_tokens_per_s"] = loaded[len(loaded) // 2] if loaded else None
+                # under load: the turn of the median loaded rate, its seconds with it
+                loaded = sorted((r for r in steady[spec] if r["loaded_tokens_per_s"]),
+                                key=lambda r: r["loaded_tokens_per_s"])
+                median = loaded[len(loaded) // 2] if loaded else {}
+                out[spec][b]["loaded_tokens_per_s"] = median.get("loaded_tokens_per_s")
+                out[spec][b]["loaded_s"] = median.get("loaded_s")
             if arrived[spec]:   # the turn of the median first-token time
                 arrived[spec].sort(key=lambda r: r["arrival_ttft_p50_ms"])
                 out[spec][b].update(arrived[spec][len(arrived[spec]) // 2])

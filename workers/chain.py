@@ -17,8 +17,8 @@ import torch
 
 from metrale.drafting.ngram import ngram_drafts_on_device
 from metrale.workers.batch import RowsLayout, to_device
-from metrale.workers.models import kernels
 from metrale.workers.cuda_graphs import GraphRunner
+from metrale.workers.models import kernels
 
 
 def padded_histories(histories: list[list[int]], width: int) -> np.ndarray:
