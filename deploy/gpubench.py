@@ -98,9 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="worker option cuda_graphs=False")
     p.add_argument("--no-few-rows", action="store_true",
                    help="a verify's projections through F.linear, not kernels.few_rows (A/B)")
-    p.add_argument("--chain-kernels", action="store_true",
-                   help="a chained round's n-gram lookup and bookkeeping as Triton kernels "
-                        "(kernels.CHAIN, off by default until measured)")
+    p.add_argument("--no-chain-kernels", action="store_true",
+                   help="a chained round's n-gram lookup and bookkeeping as tensor ops, not "
+                        "kernels.ngram_lookup / round_inputs / round_advance (A/B)")
     p.add_argument("--ckpt-dir", default="/tmp/metrale-bench",
                    help="where random checkpoints are written (kept and reused)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers generate")
@@ -780,7 +780,7 @@ def run(args) -> int:
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
     kernels.FEW = not args.no_few_rows
-    kernels.CHAIN = kernels.CHAIN or args.chain_kernels
+    kernels.CHAIN = not args.no_chain_kernels
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.device.type == "cuda" and args.device.index is not None:

@@ -40,9 +40,8 @@ def _pow2(n: int) -> int:
 
 PDL = True   # programmatic dependent launch where the GPU has it (False: off, for A/B runs)
 FEW = True   # few_rows for a verify's projections (False: F.linear, for A/B runs)
-CHAIN = False  # a chained round's n-gram lookup and bookkeeping in one launch each (False: the
-               # tensor ops they replace). Off until a GPU run confirms them: they were written
-               # and tested under TRITON_INTERPRET=1 only, no GPU being lent (2026-12-06)
+CHAIN = True  # a chained round's n-gram lookup and bookkeeping in one launch each (False: the
+              # tensor ops they replace, for A/B runs)
 
 
 def chain_kernels(device: torch.device) -> bool:
