@@ -61,12 +61,11 @@ class SeqOutcome:
     rounds: list[int] | None = None   # a chain's accepted drafts per round, each round of
                                       # proposed / len(rounds) drafts (Worker._execute_chain)
 
-    def verifies(self) -> list[tuple[int, int]]:
-        """(drafts, accepted) of each verify the outcome holds."""
+    def verifies(self) -> tuple[int, list[int]]:
+        """The drafts each verify of the outcome carried, and the drafts each accepted."""
         if self.rounds is None:
-            return [(self.proposed, self.accepted)]
-        each = self.proposed // len(self.rounds)
-        return [(each, accepted) for accepted in self.rounds]
+            return self.proposed, [self.accepted]
+        return self.proposed // len(self.rounds), self.rounds
 
 
 @dataclass

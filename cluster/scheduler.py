@@ -380,9 +380,9 @@ class Scheduler:
             if outcome is None:
                 self._publish(seq)
                 continue
-            for proposed, verified in outcome.verifies():
-                seq.spec.record(proposed, verified)
-                self.stats.record(proposed, verified)
+            drafts, accepted = outcome.verifies()
+            seq.spec.record(drafts, *accepted)
+            self.stats.record(drafts, *accepted)
             taken = self._append_tokens(seq, outcome.tokens)
             if seq.params.logprobs is not None and outcome.logprobs:
                 seq.logprobs.extend(TokenLogprob(token, lp.logprob, list(lp.top)) for token, lp
@@ -521,8 +521,11 @@ class Scheduler:
         if not self.num_drafts:
             return
         done = [(w, outcomes[w.seq_id]) for w in plan.work if w.seq_id in outcomes]
-        self.drafts.record_acceptance([pair for w, o in done for pair in (
-            o.verifies() if o.rounds else [(w.num_drafts, o.accepted)])])
+        verifies = []
+        for w, o in done:
+            drafts, accepted = o.verifies() if o.rounds else (w.num_drafts, [o.accepted])
+            verifies += [(drafts, a) for a in accepted]
+        self.drafts.record_acceptance(verifies)
         if plan.work and all(w.decodes and w.sample for w in plan.work):
             span = self.clock() - plan.planned_at if plan.planned_at else 0.0
             rounds = max((len(o.rounds) for _, o in done if o.rounds), default=1)   # a chain's

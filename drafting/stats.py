@@ -13,18 +13,27 @@ class SpecStats:
     proposed_at: list[int] = field(default_factory=list)   # per draft position
     accepted_at: list[int] = field(default_factory=list)
 
-    def record(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:
+    def record(self, proposed: int, *accepted: int) -> None:
+        """Verifies of `proposed` drafts each, one per count in `accepted` (the drafts it
+        accepted): a chain's rounds in one call, counted by how many drafts each accepted."""
+        if proposed == 0 or not accepted:
             return
-        self.rounds += 1
-        self.drafts_proposed += proposed
-        self.drafts_accepted += accepted
-        while len(self.proposed_at) < proposed:
-            self.proposed_at.append(0)
-            self.accepted_at.append(0)
+        n = len(accepted)
+        self.rounds += n
+        self.drafts_proposed += proposed * n
+        self.drafts_accepted += sum(accepted)
+        if len(self.proposed_at) < proposed:
+            grow = [0] * (proposed - len(self.proposed_at))
+            self.proposed_at += grow
+            self.accepted_at += grow
+        ended = [0] * (proposed + 1)   # verifies by the drafts they accepted
+        for a in accepted:
+            ended[min(a, proposed)] += 1
+        beyond = n   # verifies that accepted draft i: those that accepted more than i drafts
         for i in range(proposed):
-            self.proposed_at[i] += 1
-            self.accepted_at[i] += i < accepted
+            beyond -= ended[i]
+            self.proposed_at[i] += n
+            self.accepted_at[i] += beyond
 
     def merge(self, other: "SpecStats") -> None:
         self.rounds += other.rounds

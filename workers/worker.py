@@ -523,8 +523,7 @@ class Worker:
                 tokens += landed[r][i][:accepted + 1]
                 per_round.append(accepted)
             if not one_by_one:
-                for accepted in per_round:
-                    self.stats.record(depth, accepted)
+                self.stats.record(depth, *per_round)
                 self.history[w.slot].extend(tokens[:-1])   # the last: the next plan's pending
             if chained and layered:
                 self.proposer.after_chain(w.slot, w.context_len, len(tokens))
