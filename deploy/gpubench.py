@@ -624,8 +624,8 @@ def targets(models: dict) -> list[dict]:
     for key, how in (("tokens_per_s", "one batch"), ("loaded_tokens_per_s", "under load")):
         speed = _proposer_speedups(engine, key)
         worst = max(((min(r.values()), m) for m, r in speed.items() if r), default=None)
-        if worst and max(b for r in speed.values() for b in r) < 64:
-            top = max(b for r in speed.values() for b in r)
+        top = max((b for r in speed.values() for b in r), default=0)   # the largest batch run
+        if worst and top < 64:
             worst_detail = f"{worst[1]}, batch sizes up to {top}"
         else:
             worst_detail = worst and f"{worst[1]} (its lowest over batch sizes)"
