@@ -41,7 +41,8 @@ class SchedulerConfig:
     num_drafts: int = 0                 # drafts per speculative round (0: no speculation)
     adaptive_drafts: bool = True        # num_drafts is the most; each round's k is measured best
     steps_in_flight: int | None = None  # per worker; None: 2 (1 on a GPU not planning ahead)
-    plan_ahead: bool = True             # without drafts, plan a decode step before the last's result
+    plan_ahead: bool = True             # plan a decode step, or a chain of greedy n-gram rounds,
+                                        # before the last one's result
     decode_steps: int | None = None     # without drafts, decode steps a plan runs in a row;
                                         # None: UNSTREAMED_DECODE_STEPS for requests not
                                         # streamed on a worker without CUDA graphs, else 1
@@ -71,8 +72,12 @@ class Scheduler:
         self.in_flight: dict[int, int] = {}
         # Plain decoding needs no verdict to plan the next step: the worker fills in the token
         # it sampled the step before (AHEAD), so a worker holding two plans runs whole batches.
-        self.plans_ahead = config.plan_ahead and not self.num_drafts
-        self.flying_steps: dict[int, list[int]] = {}   # sequence id -> its plans' steps in flight
+        # Nor does a chain of greedy n-gram rounds: the next goes on from the last on the device.
+        self.plans_ahead = config.plan_ahead and (not self.num_drafts or capacity.chains_ahead)
+        # sequence id -> per plan in flight: its steps or rounds, and the rows of each (1 + k)
+        self.flying_steps: dict[int, list[tuple[int, int]]] = {}
+        self.chained: set[int] = set()   # the sequences of the last plan, when it was a chain
+        self.updated_at = 0.0            # the clock at the end of the last update
         self.num_preemptions = 0
         self._grammar_compiler = None
         self.stats = SpecStats()
@@ -131,6 +136,7 @@ class Scheduler:
         self.waiting.clear()
         self.in_flight.clear()
         self.flying_steps.clear()
+        self.chained = set()
         return requests
 
     def adopt(self, request_id: str, seqs: list[Sequence]) -> None:
@@ -231,6 +237,8 @@ class Scheduler:
         idle = [s for s in self.running if s.seq_id not in self.in_flight][:room]
         if prefill_only:
             idle = [s for s in idle if s.num_pending > 1]
+        elif self.num_drafts and self.plans_ahead and idle and self.in_flight:
+            return []   # they join the sequences in flight in one plan once those are back
         decoding = sum(s.decoding for s in idle)
         k_round = self.drafts.choose(decoding) if decoding and self.num_drafts else 0
         for seq in idle:
@@ -274,11 +282,16 @@ class Scheduler:
         rounds = self._chain_rounds(chosen, pad)
         work = [self._work(seq, n, k, pad.get(seq.seq_id, 0),
                            rounds or decode_steps.get(seq.seq_id, 1)) for seq, n, k in chosen]
+        if self.num_drafts and work:   # a chain planned ahead goes on from a chain's sequences
+            self.chained = {w.seq_id for w in work} if rounds else set()
         if self.plans_ahead and not prefill_only:
-            work += self._ahead(min(room - len(work), budget), rounds)
+            if not self.num_drafts:
+                work += self._ahead(min(room - len(work), budget), rounds)
+            elif not work:
+                work = self._ahead_chain(room, budget)
         for w in work[:len(chosen)]:
             self.in_flight[w.seq_id] = 1
-            self.flying_steps[w.seq_id] = [w.steps]
+            self.flying_steps[w.seq_id] = [(w.steps, max(w.num_drafts, w.pad_to) + 1)]
         return work
 
     @staticmethod
@@ -329,7 +342,7 @@ class Scheduler:
                 break
             if self.in_flight.get(seq.seq_id) != 1 or seq.num_pending != 1:
                 continue
-            flying = self.flying_steps[seq.seq_id][0]   # tokens its step in flight samples
+            flying = self.flying_steps[seq.seq_id][0][0]   # tokens its step in flight samples
             if (seq.params.grammar is None and seq.params.constraint is None
                     and self._tokens_left(seq) > flying):
                 picked.append((seq, flying))
@@ -342,7 +355,7 @@ class Scheduler:
                 continue
             self.blocks.append(seq.block_table, end)
             self.in_flight[seq.seq_id] = 2
-            self.flying_steps[seq.seq_id].append(steps)
+            self.flying_steps[seq.seq_id].append((steps, 1))
             work.append(SeqWork(seq.seq_id, [AHEAD], seq.num_tokens + flying - 1,
                                 list(seq.block_table), seq.slot,
                                 self._sampling(seq, len(seq.output_ids) + flying),
@@ -364,6 +377,60 @@ class Scheduler:
                                  for seq, flying in picked])
         return rounds if rounds >= 2 else 0
 
+    def _ahead_chain(self, room: int, budget: int) -> list[SeqWork]:
+        """With drafts, on a worker that runs chains ahead (`WorkerCapacity.chains_ahead`): the
+        next chain of greedy rounds for the sequences of the chain in flight, planned before its
+        result when every running sequence is in it (none waits to join a plan). The worker
+        runs it on from where that chain leaves them on the device (`Worker._launch_chain`), so
+        their pending tokens and cached lengths (AHEAD; `context_len` is where they stood
+        before that chain) are its. Each sequence's blocks are taken for the most both chains
+        may write (every draft accepted); never preempts. A sequence that the chain in flight
+        ends for certain by its length (a round emits one token at least) is left out; one it
+        ends otherwise wastes its rounds, whose output `update` drops. The rounds are those
+        the sequence furthest from its end is expected to need after the chain in flight
+        (`_expected_tokens`; 2 at least, up to `chain_rounds`); where every one is expected to
+        end in it, none is planned (one that does not is planned after its result)."""
+        running = self.running
+        if (not running or len(running) > room or any(
+                self.in_flight.get(s.seq_id) != 1 or s.seq_id not in self.chained
+                for s in running)):
+            return []
+        k = min([self.drafts.choose(len(running))]
+                + [self.capacity.slot_capacity[s.slot] for s in running])
+        picked = []   # (sequence, its cached length at the most after the chain in flight)
+        need = 0      # rounds the sequence furthest from its end is expected to need then
+        for seq in running:
+            rounds, rows = self.flying_steps[seq.seq_id][0]
+            left = self._tokens_left(seq)
+            if left > rounds:
+                picked.append((seq, seq.num_computed + rounds * rows))
+                left -= rounds * self._expected_tokens(seq, rows - 1)
+                need = max(need, math.ceil(left / self._expected_tokens(seq, k)))
+        if not picked or need < 1 or len(picked) * (k + 1) > budget:
+            return []
+        rounds = min(self.capacity.chain_rounds, max(2, need),
+                     min((self.max_model_len - most) // (k + 1) for _, most in picked))
+        if rounds < 2:
+            return []
+        work = []
+        for seq, most in picked:
+            if not self.blocks.can_append(seq.block_table, most + rounds * (k + 1)):
+                continue
+            self.blocks.append(seq.block_table, most + rounds * (k + 1))
+            self.in_flight[seq.seq_id] = 2
+            self.flying_steps[seq.seq_id].append((rounds, k + 1))
+            work.append(SeqWork(seq.seq_id, [AHEAD], seq.num_computed, list(seq.block_table),
+                                seq.slot, self._sampling(seq, len(seq.output_ids)),
+                                prompt_len=len(seq.prompt_ids), num_drafts=k, steps=rounds))
+        self.chained = {w.seq_id for w in work}
+        return work
+
+    def _expected_tokens(self, seq: Sequence, k: int) -> float:
+        """Tokens a round of k drafts is expected to emit for the sequence: its own mean
+        acceptance length so far (at most k + 1), else the draft policy's (all sequences')."""
+        own = seq.spec.mean_acceptance_length
+        return min(own, k + 1) if own else self.drafts.expected_tokens(k)
+
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Commits a step's outcome; returns the sequences that produced tokens."""
         self.forget(plan)
@@ -376,7 +443,9 @@ class Scheduler:
                 continue
             outcome = outcomes.get(w.seq_id)
             accepted = outcome.accepted if outcome else 0
-            seq.num_computed = w.context_len + max(len(w.tokens), w.steps) + accepted
+            # planned ahead, it began where the plan before (updated already) left it
+            start = seq.num_computed if w.tokens[0] == AHEAD else w.context_len
+            seq.num_computed = start + max(len(w.tokens), w.steps) + accepted
             if outcome is None:
                 self._publish(seq)
                 continue
@@ -391,6 +460,7 @@ class Scheduler:
                 self._publish(seq)
             touched.append(seq)
         self._measure(plan, result, outcomes)
+        self.updated_at = self.clock()
         return touched
 
     def forget(self, plan: StepPlan) -> None:
@@ -515,7 +585,9 @@ class Scheduler:
         decoded (a prefill chunk's rows would be charged to the drafts). Both count the drafts
         asked for: one the proposer did not make gains no token, like a rejected one. The time
         runs from planning to the end of this update, so it holds the host's work per step and
-        per token (planning, transport, detokenising, stop checks) beside the worker's."""
+        per token (planning, transport, detokenising, stop checks) beside the worker's. A plan
+        made ahead was planned while the one before ran: its time runs from that one's
+        update."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
@@ -527,7 +599,7 @@ class Scheduler:
             verifies += [(drafts, a) for a in accepted]
         self.drafts.record_acceptance(verifies)
         if plan.work and all(w.decodes and w.sample for w in plan.work):
-            span = self.clock() - plan.planned_at if plan.planned_at else 0.0
+            span = self.clock() - max(plan.planned_at, self.updated_at) if plan.planned_at else 0.0
             rounds = max((len(o.rounds) for _, o in done if o.rounds), default=1)   # a chain's
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),
                                     result.propose_s / rounds,

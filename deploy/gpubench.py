@@ -46,16 +46,16 @@ SMALL_SHAPES = {"qwen3-8b": QWEN3_SMALL, "qwen3.5-2b": QWEN3_5_SMALL}
 MAX_VERIFY = 15                     # the deepest verify timed (rows = k + 1)
 # ngram, ngram@7 (at most 7 drafts), ngram=3 (always 3); a /gG tail: prefill_gather G (mtp/g4);
 # a /cN tail: chain_rounds N (mtp/c8, dflash/c8: rounds chained on the device; ngram/c0: not;
-# none/c8: plain greedy decode steps chained)
-METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?(?:/g(\d+(?:\.\d+)?))?(?:/c(\d+))?")
+# none/c8: plain greedy decode steps chained); a /a0 tail: nothing planned ahead (ngram@7/a0)
+METHOD = re.compile(r"(\w+)(?:([@=])(\d+))?(?:/g(\d+(?:\.\d+)?))?(?:/c(\d+))?(/a0)?")
 
 
 def method_options(spec: str) -> dict:
     """The LLM arguments a --methods entry names."""
-    method, how, k, gather, chain = METHOD.fullmatch(spec).groups()
+    method, how, k, gather, chain, serial = METHOD.fullmatch(spec).groups()
     return {"speculative_method": method, "num_drafts": int(k) if k else None,
             "adaptive_drafts": how != "=", "prefill_gather": float(gather) if gather else 1.0,
-            "chain_rounds": int(chain) if chain else None}
+            "chain_rounds": int(chain) if chain else None, "plan_ahead": not serial}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step a plan; 'ngram@7': at most 7 drafts a round instead of the default; "
                         "'ngram=3': exactly 3 every round, no adaptive draft length; a '/g4' "
                         "tail: prefill_gather=4, as 'mtp/g4'; a '/c8' tail: chain_rounds=8, "
-                        "as 'mtp/c8', 'dflash/c8' or 'mtp/g4/c8')")
+                        "as 'mtp/c8', 'dflash/c8' or 'mtp/g4/c8'; an '/a0' tail: no plan "
+                        "made before the last one's result, as 'ngram@7/a0' or 'none/a0')")
     p.add_argument("--drafter", default=None, help="DFlash drafter of a given model directory")
     p.add_argument("--verify-ks", default="1,3,7,15", help="drafts per verify timed at batch 1")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 16)")

@@ -87,7 +87,7 @@ class LLM:
                  num_drafts: int | None = None, adaptive_drafts: bool = True,
                  drafter: str | Path | None = None, tensor_parallel_size: int = 1,
                  decode_steps: int | None = None, prefill_gather: float = 1.0,
-                 **worker_options):
+                 plan_ahead: bool = True, **worker_options):
         """`worker_options` are further WorkerConfig fields (verify_pool_bytes, max_drafts,
         mtp_confidence_threshold, self_spec_layers, dflash_window, ngram_min, ngram_max, ...).
         With `tensor_parallel_size` N > 1 the model is split over N Ray actors (a local Ray is
@@ -95,7 +95,7 @@ class LLM:
         `num_drafts` is the most drafts a round carries; with `adaptive_drafts` each round takes
         the k (0 included) with the most measured tokens per second, else always `num_drafts`.
         Without drafts, each plan runs `decode_steps` decode steps in a row (None: as
-        SchedulerConfig.decode_steps says). `prefill_gather`: see SchedulerConfig."""
+        SchedulerConfig.decode_steps says). `prefill_gather`, `plan_ahead`: see SchedulerConfig."""
         self.tokenizer = load_tokenizer(model)
         self.chat_template = read_chat_template(model)
         if num_drafts is not None:
@@ -114,7 +114,8 @@ class LLM:
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching,
                             drafts_per_round(num_drafts, capacity), adaptive_drafts,
-                            decode_steps=decode_steps, prefill_gather=prefill_gather),
+                            plan_ahead=plan_ahead, decode_steps=decode_steps,
+                            prefill_gather=prefill_gather),
             capacity, self.tokenizer)
         self._ids = itertools.count()
         self._pipelined = (isinstance(self.worker, Worker) and capacity.graphs

@@ -7,7 +7,9 @@ its verify rows, runs the target, counts the accepted drafts, commits a hybrid's
 feeds a drafter the committed rows (`round_commit`: MTP's K/V and stash, DFlash's context
 window) and appends the round's tokens to the history, all inside one graph over static
 buffers. The host fills the buffers once per chain, replays the graph once per round and reads
-every round's tokens with one sync at the end (`Worker._execute_chain`).
+every round's tokens with one sync at the end (`Worker._execute_chain`). A chain planned before
+the last one's result goes on from the buffers that one leaves (`ChainRunner.resume`), so the
+host fills nothing per sequence and launches it while the last one runs (`Worker._launch_chain`).
 """
 
 from __future__ import annotations
@@ -113,32 +115,61 @@ class ChainRunner:
     @torch.inference_mode()
     def run(self, layout: RowsLayout, histories: list[list[int]], rounds: int,
             seen: list[int] | None = None) -> list:
-        """Runs `rounds` chained rounds of the layout's sequences (one length: the pending
-        token's row and the drafts'; its ids are not read), whose token histories, pending
-        token last, are `histories` (and whose DFlash windows have taken `seen` rows). Returns
-        per round and sequence its argmaxes, then its accepted count (host lists, read with one
-        sync)."""
+        """Runs `rounds` chained rounds (`launch`) and reads them: per round and sequence its
+        argmaxes, then its accepted count (host lists, read with one sync)."""
+        return self.launch(layout, rounds, histories, seen).tolist()
+
+    @torch.inference_mode()
+    def launch(self, layout: RowsLayout, rounds: int, histories: list[list[int]] | None = None,
+               seen: list[int] | None = None, rows: list[int] | None = None) -> torch.Tensor:
+        """Launches `rounds` chained rounds of the layout's sequences (one length: the pending
+        token's row and the drafts'; its ids and cached lengths are not read) without waiting
+        for them. Either `histories` are the sequences' token histories, pending token last
+        (and their DFlash windows have taken `seen` rows), or the sequences go on from where
+        the chain launched last leaves them on the device, `rows` their rows in it (`resume`).
+        Returns per round and sequence its argmaxes, then its accepted count, on the device."""
         n, length, verify = len(layout.seqs), layout.uniform_length, layout.seqs[0].verify
         bucket = self.graphs.bucket(n)
         key = (bucket, length, verify)
-        if key not in self.graphs_by_shape:
+        if key not in self.graphs_by_shape:   # (its capture runs over padding: keep the rows)
+            kept = [state.clone() for state in self._state()] if rows is not None else ()
             self._capture(*key)
+            for state, was in zip(self._state(), kept):
+                state.copy_(was)
         self.graphs.prepare(layout)       # slots, block tables, row starts; padding sequences
-        self._reset(bucket)
-        width = max(map(len, histories))
-        to_device(padded_histories(histories, width), self.history.device,
-                  out=self.history[:n, :width])
-        sizes = to_device([[len(h) for h in histories], [s.context_len for s in layout.seqs],
-                           seen or [0] * n], self.history.device)
-        self.used[:n].copy_(sizes[0])
-        self.context[:n].copy_(sizes[1])
-        self.seen[:n].copy_(sizes[2])
+        if rows is not None:
+            self.resume(rows, bucket)
+        else:
+            self._reset(bucket)
+            width = max(map(len, histories))
+            to_device(padded_histories(histories, width), self.history.device,
+                      out=self.history[:n, :width])
+            sizes = to_device([[len(h) for h in histories], [s.context_len for s in layout.seqs],
+                               seen or [0] * n], self.history.device)
+            self.used[:n].copy_(sizes[0])
+            self.context[:n].copy_(sizes[1])
+            self.seen[:n].copy_(sizes[2])
         graph = self.graphs_by_shape[key][0]
         landed = torch.empty(rounds, n, length + 1, dtype=torch.long, device=self.history.device)
         for r in range(rounds):
             graph.replay()
             landed[r].copy_(self.landing[:n, :length + 1])
-        return landed.tolist()
+        return landed
+
+    def resume(self, rows: list[int], bucket: int) -> None:
+        """The sequences of the chain launched last that go on, in their new order (`rows`:
+        each one's row in that chain), keep their tokens, cached lengths and windows there;
+        the bucket's rows after them become padding. In stream order, after that chain."""
+        n = len(rows)
+        if rows != list(range(n)):
+            index = to_device(rows, self.history.device)
+            for state in self._state():
+                state[:n] = state.index_select(0, index)
+        self._reset(bucket, n)
+
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        """What a sequence's row holds from one round to the next."""
+        return self.history, self.used, self.context, self.seen
 
     def capture_all(self, lengths: list[int], verify: bool) -> None:
         """Captures every bucket's round for each row count (k + 1 for k drafts), so no chain
@@ -154,13 +185,13 @@ class ChainRunner:
         self.graphs_by_shape[(bucket, length, verify)] = (
             self.graphs.capture_around(bucket, length, verify, *around), around)
 
-    def _reset(self, bucket: int) -> None:
-        """Every sequence of the bucket as padding: one token, nothing cached (padding rows
+    def _reset(self, bucket: int, start: int = 0) -> None:
+        """Rows start.. of the bucket as padding: one token, nothing cached (padding rows
         write the block and slot kept for them, which `prepare` gives them)."""
-        self.history[:bucket].zero_()
-        self.used[:bucket] = 1
-        self.context[:bucket] = 0
-        self.seen[:bucket] = 0
+        self.history[start:bucket].zero_()
+        self.used[start:bucket] = 1
+        self.context[start:bucket] = 0
+        self.seen[start:bucket] = 0
 
     def _round(self, bucket: int, length: int, verify: bool):
         """The work on each side of the target's step in a round's graph (see

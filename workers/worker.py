@@ -93,10 +93,13 @@ class InFlight:
     ran to its end at launch holds its result already."""
 
     def __init__(self, worker: "Worker | None", work: list[SeqWork] = (), best=None, host=None,
-                 done=None, start: float = 0.0, result: StepResult | None = None):
+                 done=None, start: float = 0.0, result: StepResult | None = None,
+                 chain: tuple[int, int, bool] | None = None):
         # best: the argmaxes on the device; host: their pinned copy, valid once `done` has passed
+        # (a chain's: ChainRunner.launch's rounds, and `chain` its rounds, length, and whether
+        # it went on from the chain before on the device)
         self.worker, self.work, self.best, self.host = worker, work, best, host
-        self.done, self.start = done, start
+        self.done, self.start, self.chain = done, start, chain
         self.rows = {w.seq_id: i for i, w in enumerate(work)}   # one row a sequence
         self._result = result
 
@@ -224,6 +227,11 @@ class Worker:
         self.prompt_len = [0] * slots
         self.stats = SpecStats()
         self._sampled: dict[int, int] = {}   # seq id -> the token its latest step sampled
+        self._sampled_at: dict[int, int] = {}   # after a chain: seq id -> its cached length
+        # seq id -> its row in the chain launched last, whose state the chain runner holds
+        self._chain_rows: dict[int, int] = {}
+        # seq id -> (cached length, last token) after the chain read last
+        self._chain_end: dict[int, tuple[int, int]] = {}
         self._flying: deque[InFlight] = deque()   # launched, tokens not read yet, oldest first
         self._flights = threading.RLock()   # launches and reads may come from two threads
         # pinned landing rows for the argmaxes of steps in flight, used in turn
@@ -231,6 +239,8 @@ class Worker:
                                       pin_memory=self.device.type == "cuda")
                           for _ in range(FLIGHTS)] if self.use_graphs else [])
         self._launches = 0
+        self._chains_launched = 0
+        self._read_at = 0.0   # when the host last read a flight's tokens
         self.graphs = GraphRunner(
             self.model, self.kv, self.ssm, slots, config.max_drafts + 1 if p else 1,
             -(-cfg.max_position_embeddings // config.block_size),
@@ -258,6 +268,11 @@ class Worker:
                                  self.capacity.chain_rounds, drafter) \
             if self.graphs is not None and self.capacity.chain_rounds and (
                 p is None or p.method == "ngram" or drafter is not None) else None
+        # pinned landing for the rounds of the two chains launched last, used in turn
+        self._chain_landing = [torch.empty(
+            self.capacity.chain_rounds * (slots + 1) * (self.graphs.max_rows + 1),
+            dtype=torch.long, pin_memory=self.device.type == "cuda") for _ in range(2)] \
+            if self.chain is not None else []
         if self.chain is not None and config.capture_at_start:
             start = time.perf_counter()
             self.chain.capture_all([1], verify=False)   # the draft policy's k = 0, plain steps
@@ -347,7 +362,11 @@ class Worker:
         are read). Any other step first reads the steps in flight, then runs to its end."""
         with self._flights:
             if not plan.prefill and self._flies(plan.work):   # (prefill steps are timed)
+                self._chain_rows = {}
                 return self._launch_decode(plan.work)
+            if not plan.prefill and self._chain_flies(plan.work):
+                return self._launch_chain(plan.work)
+            self._chain_rows = {}
         self._read_flights()
         return InFlight.finished(self._execute(plan))
 
@@ -367,6 +386,8 @@ class Worker:
         """Lays out, fills and replays a decode step; the rows planned ahead of a step still in
         flight get their tokens from its argmaxes on the device."""
         start = time.perf_counter()
+        if self._flying and self._flying[-1].best is None:   # a chain's: read on the host
+            self._read_flights()
         before = self._flying[-1] if self._flying else None
         patch = None
         if before is None:
@@ -374,7 +395,7 @@ class Worker:
         else:
             _check_ahead(work, before.rows)
             ahead = [(i, w.seq_id) for i, w in enumerate(work) if w.tokens[0] == AHEAD]
-            self._sampled = {}
+            self._sampled, self._sampled_at = {}, {}
             if ahead:
                 index = to_device([[i for i, _ in ahead], [before.rows[s] for _, s in ahead]],
                                   self.device)
@@ -402,6 +423,57 @@ class Worker:
         self._flying.append(flight)
         return flight
 
+    def _chain_flies(self, work: list[SeqWork]) -> bool:
+        """Whether a plan is a chain of greedy n-gram rounds or plain decode steps that may run
+        without a host sync (`_launch_chain`): on the graph path, within a graph's shape. (MTP
+        and DFlash chains hand their drafter's state over on the host, before and after.)"""
+        return (self.chain is not None and bool(work) and work[0].steps > 1
+                and (self.proposer is None or self.proposer.method == "ngram")
+                and self._chains(work) and self.graphs.bucket(len(work)) is not None
+                and max(max(w.num_drafts, w.pad_to) for w in work) < self.graphs.max_rows
+                and all(len(w.block_table) <= self.graphs.width for w in work))
+
+    def _launch_chain(self, work: list[SeqWork]) -> InFlight:
+        """Launches a chain's rounds (`_execute_chain`) and returns without waiting for them.
+        A chain planned ahead (every row AHEAD) of sequences that the chain launched last
+        holds goes on from where that one leaves them on the device: their pending tokens,
+        histories and cached lengths stay there, so the host uploads none, need not read that
+        chain first, and launches this one while it runs. Otherwise the rows planned ahead
+        take their tokens and lengths from the steps before, read first."""
+        start = time.perf_counter()
+        rounds, depth = work[0].steps, max(max(w.num_drafts, w.pad_to) for w in work)
+        length, verify = depth + 1, self.ssm is not None and depth > 0
+        rows = [self._chain_rows.get(w.seq_id) for w in work]
+        resumed = None not in rows and all(w.tokens[0] == AHEAD for w in work)
+        if resumed:
+            self._sampled, self._sampled_at = {}, {}   # taken on the device
+        else:
+            if any(w.tokens[0] == AHEAD for w in work):
+                self._read_flights()
+            work = self._fill_ahead(work)
+            self._track_history(work)
+        layout = RowsLayout.of([([max(w.tokens[0], 0)] * length, w.context_len, w.block_table,
+                                 w.slot, verify) for w in work], self.config.block_size)
+        while len(self._flying) > 1:   # the landing buffer is the oldest chain's
+            self._read_flights(self._flying[0])
+        if resumed:
+            landed = self.chain.launch(layout, rounds, rows=rows)
+        else:   # only n-gram lookups read the whole history; plain steps, the last token
+            lookups = self.proposer is not None
+            landed = self.chain.launch(
+                layout, rounds, [self.history[w.slot] if lookups else w.tokens for w in work])
+        self._chain_rows = {w.seq_id: i for i, w in enumerate(work)}
+        host = self._chain_landing[self._chains_launched % 2][:landed.numel()].view(landed.shape)
+        self._chains_launched += 1
+        host.copy_(landed, non_blocking=True)
+        done = None   # (tests take the graph path on the CPU, where the copy is done now)
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        flight = InFlight(self, work, None, host, done, start, chain=(rounds, length, resumed))
+        self._flying.append(flight)
+        return flight
+
     def _read_flights(self, upto: InFlight | None = None) -> None:
         """Reads the tokens of the steps in flight, oldest first, until `upto` (all of them
         when None). The wait for the device holds no lock, so a launch may go on meanwhile."""
@@ -410,16 +482,25 @@ class Worker:
                 if not self._flying or (upto is not None and upto._result is not None):
                     return
                 flight = self._flying[0]
-            flight.done.synchronize()   # other threads run while the device computes
+            if flight.done is not None:
+                flight.done.synchronize()   # other threads run while the device computes
             tokens = flight.host.tolist()   # (the device's argmaxes would wait for later steps)
             with self._flights:
                 if not self._flying or self._flying[0] is not flight:
                     continue   # another thread read it meanwhile
-                outcomes = [SeqOutcome(w.seq_id, [t], 0, 0) for w, t in zip(flight.work, tokens)]
+                if flight.chain is None:
+                    outcomes = [SeqOutcome(w.seq_id, [t], 0, 0)
+                                for w, t in zip(flight.work, tokens)]
+                else:
+                    outcomes = self._chain_outcomes(flight.work, tokens, *flight.chain)
                 if self._flying[-1] is flight:   # no launch took these tokens on the device
                     self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
+                    self._sampled_at = {s: end[0] for s, end in self._chain_end.items()} \
+                        if flight.chain else {}
                 self._flying.popleft()
-                flight._result = StepResult(outcomes, 0.0, time.perf_counter() - flight.start)
+                now = time.perf_counter()   # (from the flight before's end: it may have waited)
+                flight._result = StepResult(outcomes, 0.0, now - max(flight.start, self._read_at))
+                self._read_at = now
 
     def _execute(self, plan: StepPlan) -> StepResult:
         if not plan.work:
@@ -466,7 +547,7 @@ class Worker:
             self.ssm.commit(*verified)
         if rows_state:
             self.proposer.commit(committed)
-        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
+        self._sampled, self._sampled_at = {o.seq_id: o.tokens[-1] for o in outcomes}, {}
         return StepResult(outcomes, proposed - start, time.perf_counter() - proposed)
 
     def _chains(self, work: list[SeqWork]) -> bool:
@@ -515,22 +596,36 @@ class Worker:
             self._track_history(work)
             landed = self._chain_eagerly(work, [self.history[w.slot] for w in work], depth,
                                          rounds)
-        outcomes = []
+        outcomes = self._chain_outcomes(work, landed, rounds, length, record=not one_by_one)
+        if chained and layered:
+            for w, o in zip(work, outcomes):
+                self.proposer.after_chain(w.slot, w.context_len, len(o.tokens))
+        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
+        self._sampled_at = {s: end[0] for s, end in self._chain_end.items()}
+        return StepResult(outcomes, 0.0, time.perf_counter() - start)
+
+    def _chain_outcomes(self, work: list[SeqWork], landed: list, rounds: int, length: int,
+                        resumed: bool = False, record: bool = True) -> list[SeqOutcome]:
+        """Each sequence's outcome of a chain's rounds (`landed`: per round and sequence its
+        argmaxes, then its accepted count); with `record`, its rounds go into the statistics
+        and its tokens into its history, but the last, the next plan's pending token. A chain
+        `resumed` on the device began at the length and token the chain before ended with."""
+        outcomes, ends, depth = [], {}, length - 1
         for i, w in enumerate(work):
             tokens, per_round = [], []
             for r in range(rounds):
                 accepted = landed[r][i][length]
                 tokens += landed[r][i][:accepted + 1]
                 per_round.append(accepted)
-            if not one_by_one:
+            context, pending = self._chain_end[w.seq_id] if resumed else (w.context_len, None)
+            if record:
                 self.stats.record(depth, *per_round)
-                self.history[w.slot].extend(tokens[:-1])   # the last: the next plan's pending
-            if chained and layered:
-                self.proposer.after_chain(w.slot, w.context_len, len(tokens))
+                self.history[w.slot].extend(([pending] if resumed else []) + tokens[:-1])
+            ends[w.seq_id] = (context + len(tokens), tokens[-1])
             outcomes.append(SeqOutcome(w.seq_id, tokens, depth * rounds, sum(per_round),
                                        rounds=per_round))
-        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
-        return StepResult(outcomes, 0.0, time.perf_counter() - start)
+        self._chain_end = ends
+        return outcomes
 
     def _chain_eagerly(self, work: list[SeqWork], histories: list[list[int]], depth: int,
                        rounds: int) -> list:
@@ -581,30 +676,33 @@ class Worker:
         tokens of all its steps."""
         tokens: dict[int, list[int]] = {w.seq_id: [] for w in plan.work}
         propose_s = forward_s = 0.0
-        for i in range(max(w.steps for w in plan.work)):
+        planned = self._fill_ahead(plan.work)   # (a chain's lengths, after one)
+        for i in range(max(w.steps for w in planned)):
             work = [replace(w, steps=1) if i == 0 else
                     replace(w, tokens=[AHEAD], context_len=w.context_len + i, steps=1,
                             sample=replace(w.sample, draw=w.sample.draw + i))
-                    for w in plan.work if w.steps > i]
+                    for w in planned if w.steps > i]
             result = self._execute(StepPlan(work, plan.planned_at))
             for o in result.outcomes:
                 tokens[o.seq_id] += o.tokens
             propose_s, forward_s = propose_s + result.propose_s, forward_s + result.forward_s
         # the plan after this one may be planned ahead of any of its sequences, not only of
         # those in its last step
-        self._sampled = {seq: t[-1] for seq, t in tokens.items() if t}
+        self._sampled, self._sampled_at = {seq: t[-1] for seq, t in tokens.items() if t}, {}
         return StepResult([SeqOutcome(seq, t) for seq, t in tokens.items() if t],
                           propose_s, forward_s)
 
     def _fill_ahead(self, work: list[SeqWork]) -> list[SeqWork]:
         """Rows planned ahead (AHEAD) take the token this worker sampled for their sequence in
-        the step before, the plan the scheduler sent just before this one. The tokens are taken
-        once: a step that fails leaves none for the next."""
+        the step before, the plan the scheduler sent just before this one, and after a chain
+        of rounds (whose tokens the scheduler could not count) its cached length. The tokens
+        are taken once: a step that fails leaves none for the next."""
         sampled, self._sampled = self._sampled, {}
+        at, self._sampled_at = self._sampled_at, {}
         if not any(w.tokens[0] == AHEAD for w in work):
             return work
         _check_ahead(work, sampled)
-        return [replace(w, tokens=[sampled[w.seq_id]])
+        return [replace(w, tokens=[sampled[w.seq_id]], context_len=at.get(w.seq_id, w.context_len))
                 if w.tokens[0] == AHEAD else w for w in work]
 
     @torch.inference_mode()

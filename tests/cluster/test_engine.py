@@ -290,6 +290,63 @@ def test_plans_made_ahead_keep_the_output_and_free_everything(checkpoint, decode
     assert not scheduler.flying_steps
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_ngram_chains_made_ahead_keep_the_output_and_free_everything(checkpoint, name):
+    """With drafts, on a worker that chains n-gram rounds (chain_rounds 3), a chain of the
+    sequences of the chain in flight is planned before its result: AHEAD, their pending tokens
+    and cached lengths being what that chain leaves (on the CPU the worker fills them in; on
+    a GPU the chain goes on from the device). Greedy outputs (one stopping at a stop token
+    inside a chain, others at max_tokens) are plain decoding's; a sampled request beside them
+    is run round by round, and the greedy ones wait to be planned with it; every block and
+    slot is free at the end."""
+    model_dir = checkpoint(name)
+    config = dict(block_size=4, max_num_seqs=8)
+    llm = LLM(model_dir, device="cpu", **config)
+    prompts = [llm.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    stop_at = llm.generate(prompts[:1], greedy)[0].completions[0].token_ids[12]
+    requests = [(prompts[0], replace(greedy, stop_token_ids=(stop_at,), ignore_eos=False)),
+                (prompts[1], greedy), (prompts[2], replace(greedy, max_tokens=11)),
+                (prompts[3], replace(greedy, max_tokens=23))]
+    expected = [[c.token_ids for c in llm.generate([ids], params)[0].completions]
+                for ids, params in requests]
+    assert len(expected[0][0]) == 13   # it stopped at its stop token
+
+    async def run(requests):
+        executor = RecordingExecutor(Worker(WorkerConfig(
+            str(model_dir), "cpu", speculative_method="ngram", max_drafts=3, chain_rounds=3,
+            **config)))
+        eng = ReplicaEngine.build([executor], SchedulerConfig(max_num_seqs=8), 3,
+                                  load_tokenizer(model_dir))
+        assert eng.lanes[0].scheduler.plans_ahead and eng.steps_in_flight(eng.lanes[0]) == 2
+        eng.start()
+        outs = await asyncio.gather(*(collect(eng, f"r{i}", ids, params)
+                                      for i, (ids, params) in enumerate(requests)))
+        await eng.stop()
+        return executor, eng.lanes[0].scheduler, outs
+    executor, scheduler, outs = asyncio.run(run(requests))
+    assert [[c["ids"] for c in o] for o in outs] == expected
+    ahead = [p for p in executor.plans if p.work and p.work[0].tokens == [AHEAD]]
+    assert len(ahead) >= 3
+    for before, plan in zip(executor.plans, executor.plans[1:]):
+        if plan in ahead:   # the chain before's sequences (some, once others end), chained
+            assert {w.seq_id for w in plan.work} <= {w.seq_id for w in before.work}
+            assert all(w.tokens == [AHEAD] and w.steps == plan.work[0].steps >= 2
+                       for w in plan.work)
+            assert all(w.steps == before.work[0].steps >= 2 for w in before.work)
+    assert scheduler.blocks.num_free == scheduler.blocks.num_blocks
+    assert scheduler.slots.num_free == scheduler.capacity.num_slots
+    assert not scheduler.in_flight and not scheduler.running and not scheduler.flying_steps
+
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=3)
+    executor, scheduler, outs = asyncio.run(run(requests[1:2] + [(prompts[2], sampled)]))
+    assert outs[0][0]["ids"] == expected[1][0] and len(outs[1][0]["ids"]) == 8
+    for plan in executor.plans:   # while the sampled one runs, no plan chains or goes ahead
+        if any(not w.sample.greedy for w in plan.work if w.sample):
+            assert all(w.steps == 1 and w.tokens != [AHEAD] for w in plan.work)
+    assert not scheduler.in_flight and scheduler.blocks.num_free == scheduler.blocks.num_blocks
+
+
 def test_a_row_planned_ahead_runs_the_token_the_step_before_sampled(checkpoint):
     from metrale.cluster.plan import SeqWork, StepPlan
     from metrale.workers.sampler import SamplingSpec

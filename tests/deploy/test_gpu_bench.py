@@ -156,18 +156,20 @@ def test_method_specs_name_the_engine_options():
     from metrale.deploy.gpubench import method_options
     assert method_options("none") == {"speculative_method": "none", "num_drafts": None,
                                       "adaptive_drafts": True, "prefill_gather": 1.0,
-                                      "chain_rounds": None}
+                                      "chain_rounds": None, "plan_ahead": True}
     assert method_options("ngram=3") == {"speculative_method": "ngram", "num_drafts": 3,
                                          "adaptive_drafts": False, "prefill_gather": 1.0,
-                                         "chain_rounds": None}
+                                         "chain_rounds": None, "plan_ahead": True}
     assert method_options("mtp@3/g4") == {"speculative_method": "mtp", "num_drafts": 3,
                                           "adaptive_drafts": True, "prefill_gather": 4.0,
-                                          "chain_rounds": None}
+                                          "chain_rounds": None, "plan_ahead": True}
     assert method_options("dflash/g2.5")["prefill_gather"] == 2.5
     assert method_options("mtp/c0")["chain_rounds"] == 0
     assert method_options("mtp@3/g4/c2") == {"speculative_method": "mtp", "num_drafts": 3,
                                              "adaptive_drafts": True, "prefill_gather": 4.0,
-                                             "chain_rounds": 2}
+                                             "chain_rounds": 2, "plan_ahead": True}
+    assert method_options("ngram@7/a0")["plan_ahead"] is False
+    assert method_options("none/c8/a0") == {**method_options("none/c8"), "plan_ahead": False}
 
 
 def test_a_bad_method_spec_is_refused_by_name(tmp_path):

@@ -1020,6 +1020,42 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
         assert chained[key][:n] == alone[key][:n], (key, chained, alone)
 
 
+def test_ngram_chains_planned_ahead_go_on_from_the_device(monkeypatch, checkpoint):
+    """On the graph path, a chain of greedy n-gram rounds planned before the last chain's
+    result goes on from the history, cached length and pending token that chain left on the
+    device (ChainRunner.resume), in the new plan's order (a sequence that ends, here at a
+    shorter max_tokens, leaves a gap the others close up). The tokens are the hybrid target's
+    plain greedy ones; so are those of chains of no drafts (k = 0 every other plan). On the
+    CPU only, as the tests above (on a GPU, test_gpu's chained tests see chains resumed)."""
+    if DEVICE != "cpu":
+        pytest.skip("the graph path on the CPU (a GPU replays graphs)")
+    import itertools
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    _graph_path_on_cpu(monkeypatch)
+    model_dir = checkpoint("qwen3_5")
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9], [11, 12, 13, 11, 12]]
+    lengths = [10, 24, 20]   # the first (row 0) ends first, the others go on
+    reference = LLM(model_dir, device="cpu", dtype="float32", block_size=4)
+    expected = [reference.generate([p], SamplingParams(max_tokens=n, temperature=0,
+                                                       ignore_eos=True))[0].token_ids
+                for p, n in zip(prompts, lengths)]
+    for ks in ([3], [0, 3]):
+        llm = LLM(model_dir, device="cpu", dtype="float32", block_size=4,
+                  attention_backend="triton", speculative_method="ngram", num_drafts=3,
+                  max_num_seqs=4, chain_rounds=3, capture_at_start=False)
+        assert llm.scheduler.plans_ahead
+        cycle = itertools.cycle(ks)
+        llm.scheduler.drafts.choose = lambda batch: next(cycle)
+        rows, launch = [], llm.worker.chain.launch
+        llm.worker.chain.launch = lambda *a, **kw: rows.append(kw.get("rows")) or launch(*a, **kw)
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0,
+                                                     ignore_eos=True) for n in lengths])
+        assert [o.token_ids for o in outs] == expected, ks
+        resumed = [r for r in rows if r is not None]
+        assert len(resumed) >= 2 and [1, 2] in resumed, rows   # row 0 left
+
+
 @pytest.mark.parametrize("method", ["mtp", "dflash", "ngram"])
 def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypatch, method):
     """Where the draft policy chooses k = 0 (here every other plan, from the first), a graph
@@ -1054,9 +1090,9 @@ def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypat
                   dflash_window=20, max_num_seqs=2, chain_rounds=3, capture_at_start=False)
         ks = itertools.cycle([0, 3])
         llm.scheduler.drafts.choose = lambda batch: next(ks)
-        lengths, run = [], llm.worker.chain.run
-        llm.worker.chain.run = lambda layout, *a: (lengths.append(layout.uniform_length)
-                                                   or run(layout, *a))
+        lengths, launch = [], llm.worker.chain.launch
+        llm.worker.chain.launch = lambda layout, *a, **kw: (lengths.append(layout.uniform_length)
+                                                            or launch(layout, *a, **kw))
         outs[on_device] = [o.token_ids for o in llm.generate(prompts, greedy)]
         plain[on_device] = lengths.count(1)
     assert outs[True] == outs[False]
