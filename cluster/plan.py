@@ -104,7 +104,7 @@ class WorkerCapacity:
 
     @property
     def chains_ahead(self) -> bool:
-        """Whether a chain of n-gram rounds may be planned before the last one's result: it
-        goes on from that one's state on the device (MTP and DFlash chains hand their
-        drafter's state over on the host)."""
-        return self.chain_rounds >= 2 and self.proposer in ("none", "ngram")
+        """Whether a chain of greedy rounds may be planned before the last one's result: it
+        goes on from that one's state on the device (workers chain n-gram, MTP and DFlash
+        rounds, and plain decode steps)."""
+        return self.chain_rounds >= 2

@@ -41,7 +41,7 @@ class SchedulerConfig:
     num_drafts: int = 0                 # drafts per speculative round (0: no speculation)
     adaptive_drafts: bool = True        # num_drafts is the most; each round's k is measured best
     steps_in_flight: int | None = None  # per worker; None: 2 (1 on a GPU not planning ahead)
-    plan_ahead: bool = True             # plan a decode step, or a chain of greedy n-gram rounds,
+    plan_ahead: bool = True             # plan a decode step, or a chain of greedy rounds,
                                         # before the last one's result
     decode_steps: int | None = None     # without drafts, decode steps a plan runs in a row;
                                         # None: UNSTREAMED_DECODE_STEPS for requests not
@@ -72,7 +72,7 @@ class Scheduler:
         self.in_flight: dict[int, int] = {}
         # Plain decoding needs no verdict to plan the next step: the worker fills in the token
         # it sampled the step before (AHEAD), so a worker holding two plans runs whole batches.
-        # Nor does a chain of greedy n-gram rounds: the next goes on from the last on the device.
+        # Nor does a chain of greedy rounds: the next goes on from the last on the device.
         self.plans_ahead = config.plan_ahead and (not self.num_drafts or capacity.chains_ahead)
         # sequence id -> per plan in flight: its steps or rounds, and the rows of each (1 + k)
         self.flying_steps: dict[int, list[tuple[int, int]]] = {}

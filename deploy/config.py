@@ -88,7 +88,7 @@ class MetraleConfig(BaseModel):
                                         "does not plan ahead.")
     plan_ahead: bool = Field(True, description="Without drafts, plan a sequence's next decode step "
                              "before the current one's result; the worker fills in the token it "
-                             "sampled. With n-gram drafts on a worker that chains rounds, the "
+                             "sampled. With drafts on a worker that chains greedy rounds, the "
                              "next chain likewise goes on from the last one's on the device. "
                              "Off: plans in flight split the sequences.")
     decode_steps: int | None = Field(None, ge=1, le=16, description="Without drafts, decode "

@@ -424,11 +424,10 @@ class Worker:
         return flight
 
     def _chain_flies(self, work: list[SeqWork]) -> bool:
-        """Whether a plan is a chain of greedy n-gram rounds or plain decode steps that may run
-        without a host sync (`_launch_chain`): on the graph path, within a graph's shape. (MTP
-        and DFlash chains hand their drafter's state over on the host, before and after.)"""
+        """Whether a plan is a chain of greedy rounds (n-gram, MTP, DFlash, or plain decode
+        steps) that may run without a host sync (`_launch_chain`): on the graph path, within a
+        graph's shape."""
         return (self.chain is not None and bool(work) and work[0].steps > 1
-                and (self.proposer is None or self.proposer.method == "ngram")
                 and self._chains(work) and self.graphs.bucket(len(work)) is not None
                 and max(max(w.num_drafts, w.pad_to) for w in work) < self.graphs.max_rows
                 and all(len(w.block_table) <= self.graphs.width for w in work))
@@ -438,8 +437,10 @@ class Worker:
         A chain planned ahead (every row AHEAD) of sequences that the chain launched last
         holds goes on from where that one leaves them on the device: their pending tokens,
         histories and cached lengths stay there, so the host uploads none, need not read that
-        chain first, and launches this one while it runs. Otherwise the rows planned ahead
-        take their tokens and lengths from the steps before, read first."""
+        chain first, and launches this one while it runs; an MTP or DFlash drafter's stash,
+        K/V and window go on there too. Otherwise the rows planned ahead take their tokens and
+        lengths from the steps before, read first, and a drafter catches up on the rows it
+        holds (`before_chain`)."""
         start = time.perf_counter()
         rounds, depth = work[0].steps, max(max(w.num_drafts, w.pad_to) for w in work)
         length, verify = depth + 1, self.ssm is not None and depth > 0
@@ -458,10 +459,14 @@ class Worker:
             self._read_flights(self._flying[0])
         if resumed:
             landed = self.chain.launch(layout, rounds, rows=rows)
-        else:   # only n-gram lookups read the whole history; plain steps, the last token
-            lookups = self.proposer is not None
+        else:   # only n-gram lookups read the whole history; the rest draft from the last token
+            method = self.proposer.method if self.proposer is not None else "none"
+            seen = self.proposer.before_chain([w.slot for w in work],
+                                              [w.context_len for w in work]) \
+                if method in LAYER_DRAFTERS else None
             landed = self.chain.launch(
-                layout, rounds, [self.history[w.slot] if lookups else w.tokens for w in work])
+                layout, rounds,
+                [self.history[w.slot] if method == "ngram" else w.tokens for w in work], seen)
         self._chain_rows = {w.seq_id: i for i, w in enumerate(work)}
         host = self._chain_landing[self._chains_launched % 2][:landed.numel()].view(landed.shape)
         self._chains_launched += 1
@@ -597,9 +602,6 @@ class Worker:
             landed = self._chain_eagerly(work, [self.history[w.slot] for w in work], depth,
                                          rounds)
         outcomes = self._chain_outcomes(work, landed, rounds, length, record=not one_by_one)
-        if chained and layered:
-            for w, o in zip(work, outcomes):
-                self.proposer.after_chain(w.slot, w.context_len, len(o.tokens))
         self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
         self._sampled_at = {s: end[0] for s, end in self._chain_end.items()}
         return StepResult(outcomes, 0.0, time.perf_counter() - start)
@@ -607,10 +609,12 @@ class Worker:
     def _chain_outcomes(self, work: list[SeqWork], landed: list, rounds: int, length: int,
                         resumed: bool = False, record: bool = True) -> list[SeqOutcome]:
         """Each sequence's outcome of a chain's rounds (`landed`: per round and sequence its
-        argmaxes, then its accepted count); with `record`, its rounds go into the statistics
-        and its tokens into its history, but the last, the next plan's pending token. A chain
-        `resumed` on the device began at the length and token the chain before ended with."""
+        argmaxes, then its accepted count); with `record`, its rounds go into the statistics,
+        its tokens into its history, but the last, the next plan's pending token, and an MTP or
+        DFlash drafter counts the rows its rounds fed it (`after_chain`). A chain `resumed` on
+        the device began at the length and token the chain before ended with."""
         outcomes, ends, depth = [], {}, length - 1
+        layered = self.proposer is not None and self.proposer.method in LAYER_DRAFTERS
         for i, w in enumerate(work):
             tokens, per_round = [], []
             for r in range(rounds):
@@ -621,6 +625,8 @@ class Worker:
             if record:
                 self.stats.record(depth, *per_round)
                 self.history[w.slot].extend(([pending] if resumed else []) + tokens[:-1])
+                if layered:
+                    self.proposer.after_chain(w.slot, context, len(tokens))
             ends[w.seq_id] = (context + len(tokens), tokens[-1])
             outcomes.append(SeqOutcome(w.seq_id, tokens, depth * rounds, sum(per_round),
                                        rounds=per_round))

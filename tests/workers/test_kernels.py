@@ -1002,9 +1002,9 @@ def test_chained_rounds_draft_what_rounds_one_by_one_draft(monkeypatch, method):
                   dflash_window=20, adaptive_drafts=False, max_num_seqs=seats,
                   chain_rounds=rounds, capture_at_start=False)
         assert llm.worker.graphs is not None and (llm.worker.chain is not None) == bool(rounds)
-        chains, run = [], llm.worker.chain.run if rounds else None
-        if rounds:
-            llm.worker.chain.run = lambda *args: chains.append(args[2]) or run(*args)
+        chains, launch = [], llm.worker.chain.launch if rounds else None
+        if rounds:   # (chains planned ahead go on from the one before: rows, no histories)
+            llm.worker.chain.launch = lambda *a, **kw: chains.append(a[1]) or launch(*a, **kw)
         outs[rounds] = [o.token_ids for o in llm.generate(prompts, greedy)]
         stats[rounds] = llm.scheduler.stats
         assert bool(chains) == bool(rounds)
