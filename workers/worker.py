@@ -693,8 +693,9 @@ class Worker:
                 tokens[o.seq_id] += o.tokens
             propose_s, forward_s = propose_s + result.propose_s, forward_s + result.forward_s
         # the plan after this one may be planned ahead of any of its sequences, not only of
-        # those in its last step
-        self._sampled, self._sampled_at = {seq: t[-1] for seq, t in tokens.items() if t}, {}
+        # those in its last step; a chain planned ahead takes the lengths these steps left
+        self._sampled = {seq: t[-1] for seq, t in tokens.items() if t}
+        self._sampled_at = {w.seq_id: w.context_len + w.steps for w in planned}
         return StepResult([SeqOutcome(seq, t) for seq, t in tokens.items() if t],
                           propose_s, forward_s)
 
