@@ -221,7 +221,8 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             emitted = sum(len(s.output_ids) for i in ids for s in sched.by_request[i]) - before
             full = (emitted, now - start, steps)
     wall = time.perf_counter() - start
-    total = sum(len(s.output_ids) for i in ids for s in sched.pop_finished(i))
+    seqs = [s for i in ids for s in sched.pop_finished(i)]
+    total = sum(len(s.output_ids) for s in seqs)
     stats = sched.stats
     return {"tokens_per_s": (total - before) / wall if wall else 0.0,
             "full_batch_tokens_per_s": full[0] / full[1] if full and full[1] else None,
@@ -230,6 +231,10 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             "full_batch_steps": full[2] if full else None,
             "ms_per_step": 1000 * wall / max(steps, 1), "steps": steps,
             "tokens": total - before, "wall_s": wall,
+            # a round (or step) emits its accepted drafts and one token; the first came from
+            # the prefill: the slowest sequence's count is the run's critical path
+            "sequence_rounds": sorted(len(s.output_ids) - 1 - s.spec.drafts_accepted
+                                      for s in seqs),
             "acceptance": (stats.drafts_accepted / stats.drafts_proposed
                            if stats.drafts_proposed else None),
             "mean_acceptance_length": stats.mean_acceptance_length if stats.rounds else None,

@@ -499,9 +499,11 @@ class Worker:
                 else:
                     outcomes = self._chain_outcomes(flight.work, tokens, *flight.chain)
                 if self._flying[-1] is flight:   # no launch took these tokens on the device
-                    self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
-                    self._sampled_at = {s: end[0] for s, end in self._chain_end.items()} \
-                        if flight.chain else {}
+                    if flight.chain:
+                        self._leave_chain_ends()
+                    else:
+                        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
+                        self._sampled_at = {}
                 self._flying.popleft()
                 now = time.perf_counter()   # (from the flight before's end: it may have waited)
                 flight._result = StepResult(outcomes, 0.0, now - max(flight.start, self._read_at))
@@ -602,9 +604,14 @@ class Worker:
             landed = self._chain_eagerly(work, [self.history[w.slot] for w in work], depth,
                                          rounds)
         outcomes = self._chain_outcomes(work, landed, rounds, length, record=not one_by_one)
-        self._sampled = {o.seq_id: o.tokens[-1] for o in outcomes}
-        self._sampled_at = {s: end[0] for s, end in self._chain_end.items()}
+        self._leave_chain_ends()
         return StepResult(outcomes, 0.0, time.perf_counter() - start)
+
+    def _leave_chain_ends(self) -> None:
+        """After a chain is read: the plan after it (AHEAD rows, `_fill_ahead`) takes each
+        sequence's last token and cached length from where the chain left it (`_chain_end`)."""
+        self._sampled = {seq: token for seq, (_, token) in self._chain_end.items()}
+        self._sampled_at = {seq: length for seq, (length, _) in self._chain_end.items()}
 
     def _chain_outcomes(self, work: list[SeqWork], landed: list, rounds: int, length: int,
                         resumed: bool = False, record: bool = True) -> list[SeqOutcome]:

@@ -51,6 +51,13 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 assert 0 < run["full_batch_s"] <= run["wall_s"]
                 assert 0 < run["full_batch_steps"] <= run["steps"]
                 assert method != "none" or run["full_batch_steps"] == run["steps"]
+                # each sequence's rounds: 11 tokens after the prefill's, 1 + k a round at most
+                rounds = run["sequence_rounds"]
+                assert len(rounds) == int(size) and rounds == sorted(rounds)
+                k = int(method.split("=")[1]) if "=" in method else 7
+                most = 0 if method == "none" else k
+                assert all(-(-11 // (most + 1)) <= r <= 11 for r in rounds)
+                assert method != "none" or rounds == [11] * int(size)
                 # steady: 4B requests of 12 +- 50% tokens, at most B sequences (so tokens) a step
                 b = int(size)
                 assert run["steady_requests"] == 4 * b
