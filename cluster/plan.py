@@ -61,11 +61,22 @@ class SeqOutcome:
     rounds: list[int] | None = None   # a chain's accepted drafts per round, each round of
                                       # proposed / len(rounds) drafts (Worker._execute_chain)
 
-    def verifies(self) -> tuple[int, list[int]]:
-        """The drafts each verify of the outcome carried, and the drafts each accepted."""
-        if self.rounds is None:
-            return self.proposed, [self.accepted]
-        return self.proposed // len(self.rounds), self.rounds
+    def verifies(self, taken: int | None = None) -> tuple[int, list[int]]:
+        """The drafts each verify of the outcome carried, and the drafts each accepted. With
+        `taken`, the tokens the sequence kept (a stop or its length may end it inside the
+        outcome), only what it kept: the verifies that began while it ran, and of the last the
+        drafts it kept. A chain's rounds after its end ran for no one."""
+        per_round = [self.accepted] if self.rounds is None else self.rounds
+        drafts = self.proposed // len(per_round)
+        if taken is None:
+            return drafts, per_round
+        kept, emitted = [], 0
+        for accepted in per_round:
+            if emitted >= taken:
+                break
+            kept.append(min(accepted, taken - emitted - 1))
+            emitted += accepted + 1
+        return drafts, kept
 
 
 @dataclass

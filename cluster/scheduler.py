@@ -449,10 +449,10 @@ class Scheduler:
             if outcome is None:
                 self._publish(seq)
                 continue
-            drafts, accepted = outcome.verifies()
+            taken = self._append_tokens(seq, outcome.tokens)
+            drafts, accepted = outcome.verifies(taken)   # what the sequence kept
             seq.spec.record(drafts, *accepted)
             self.stats.record(drafts, *accepted)
-            taken = self._append_tokens(seq, outcome.tokens)
             if seq.params.logprobs is not None and outcome.logprobs:
                 seq.logprobs.extend(TokenLogprob(token, lp.logprob, list(lp.top)) for token, lp
                                     in zip(outcome.tokens[:taken], outcome.logprobs))

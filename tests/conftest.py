@@ -55,6 +55,14 @@ def assert_stops_where_first_met(llm: LLM, prompts: list[list[int]], refs: list[
                                                  ignore_eos=True, stop_token_ids=[t])
                                   for r, t in zip(refs, stops)])
     assert [o.token_ids for o in outs] == [r[:r.index(t) + 1] for r, t in zip(refs, stops)]
+    assert_stats_count_what_was_kept(outs)
+
+
+def assert_stats_count_what_was_kept(outs) -> None:
+    """A request's speculation statistics count the rounds that ran while it did and the drafts
+    it kept: each round emits its accepted drafts and one token, after the prefill's first."""
+    for o in outs:
+        assert o.spec.drafts_accepted + o.spec.rounds <= len(o.token_ids) - 1, o.spec
 
 
 @pytest.fixture(scope="session")

@@ -39,3 +39,14 @@ def test_an_outcome_gives_its_verifies_drafts_and_accepted_counts():
     assert SeqOutcome(0, [5, 6], proposed=3, accepted=1).verifies() == (3, [1])
     chain = SeqOutcome(0, [5, 6, 7, 8, 9], proposed=12, accepted=2, rounds=[0, 2, 0])
     assert chain.verifies() == (4, [0, 2, 0])
+
+
+def test_an_outcome_counts_only_what_its_sequence_kept():
+    # 3 rounds of 4 drafts emitting 1, 3 and 1 tokens; the sequence kept `taken` of the 5
+    chain = SeqOutcome(0, [5, 6, 7, 8, 9], proposed=12, accepted=2, rounds=[0, 2, 0])
+    assert chain.verifies(5) == (4, [0, 2, 0])
+    assert chain.verifies(4) == (4, [0, 2])      # the third round ran after its end
+    assert chain.verifies(3) == (4, [0, 1])      # its last draft past the end is not its
+    assert chain.verifies(1) == (4, [0])
+    one = SeqOutcome(0, [5, 6, 7], proposed=3, accepted=2)
+    assert one.verifies(3) == (3, [2]) and one.verifies(2) == (3, [1])
