@@ -76,8 +76,8 @@ def main() -> None:
                        for _ in range(2))
             weight = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
             ref = kernels.gated_rms_norm(x, gate, weight, 1e-6)
-            line = [f"{heads} heads of {dim}, {rows:3d} rows: one head a program "
-                    f"{per_launch_us(lambda: kernels.gated_rms_norm(x, gate, weight, 1e-6)):5.2f} us"]
+            us = per_launch_us(lambda: kernels.gated_rms_norm(x, gate, weight, 1e-6))
+            line = [f"{heads} heads of {dim}, {rows:3d} rows: one head a program {us:5.2f} us"]
             for per in (2, 4, 8, 16):
                 if per > heads or per * dim > 2048:
                     continue

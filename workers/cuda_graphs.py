@@ -89,12 +89,15 @@ class GraphRunner:
     def bucket(self, n: int) -> int | None:
         return bucket_for(self.buckets, n)
 
+    def fits(self, seqs: int, length: int, width: int) -> bool:
+        """Whether `seqs` sequences of `length` rows each, their block tables `width` wide, fit
+        a captured shape (the worker asks before it lays a step out; `eligible` after)."""
+        return length <= self.max_rows and self.bucket(seqs) is not None and width <= self.width
+
     def eligible(self, layout: RowsLayout) -> bool:
         length = layout.uniform_length
-        return (length is not None and length <= self.max_rows
-                and self.bucket(len(layout.seqs)) is not None
-                and len({s.verify for s in layout.seqs}) == 1
-                and layout.tables.shape[1] <= self.width)
+        return (length is not None and len({s.verify for s in layout.seqs}) == 1
+                and self.fits(len(layout.seqs), length, layout.tables.shape[1]))
 
     @torch.inference_mode()
     def run(self, layout: RowsLayout, patch=None, keep_hidden: bool = True

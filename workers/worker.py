@@ -378,9 +378,8 @@ class Worker:
                     len(w.tokens) == 1 and w.num_drafts == 0 and w.steps == 1
                     and w.sample is not None
                     and w.sample.greedy and w.sample.logprobs is None and w.grammar is None
-                    and w.constraint is None and len(w.block_table) <= self.graphs.width
-                    for w in work)
-                and self.graphs.bucket(len(work)) is not None)
+                    and w.constraint is None for w in work)
+                and self.graphs.fits(len(work), 1, max(len(w.block_table) for w in work)))
 
     def _launch_decode(self, work: list[SeqWork]) -> InFlight:
         """Lays out, fills and replays a decode step; the rows planned ahead of a step still in
@@ -427,10 +426,9 @@ class Worker:
         """Whether a plan is a chain of greedy rounds (n-gram, MTP, DFlash, or plain decode
         steps) that may run without a host sync (`_launch_chain`): on the graph path, within a
         graph's shape."""
-        return (self.chain is not None and bool(work) and work[0].steps > 1
-                and self._chains(work) and self.graphs.bucket(len(work)) is not None
-                and max(max(w.num_drafts, w.pad_to) for w in work) < self.graphs.max_rows
-                and all(len(w.block_table) <= self.graphs.width for w in work))
+        return (self.chain is not None and bool(work) and work[0].steps > 1 and self._chains(work)
+                and self.graphs.fits(len(work), max(max(w.num_drafts, w.pad_to) for w in work) + 1,
+                                     max(len(w.block_table) for w in work)))
 
     def _launch_chain(self, work: list[SeqWork]) -> InFlight:
         """Launches a chain's rounds (`_execute_chain`) and returns without waiting for them.
