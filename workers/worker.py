@@ -457,14 +457,8 @@ class Worker:
             self._read_flights(self._flying[0])
         if resumed:
             landed = self.chain.launch(layout, rounds, rows=rows)
-        else:   # only n-gram lookups read the whole history; the rest draft from the last token
-            method = self.proposer.method if self.proposer is not None else "none"
-            seen = self.proposer.before_chain([w.slot for w in work],
-                                              [w.context_len for w in work]) \
-                if method in LAYER_DRAFTERS else None
-            landed = self.chain.launch(
-                layout, rounds,
-                [self.history[w.slot] if method == "ngram" else w.tokens for w in work], seen)
+        else:
+            landed = self.chain.launch(layout, rounds, *self._fresh_chain_inputs(work))
         self._chain_rows = {w.seq_id: i for i, w in enumerate(work)}
         host = self._chain_landing[self._chains_launched % 2][:landed.numel()].view(landed.shape)
         self._chains_launched += 1
@@ -591,11 +585,7 @@ class Worker:
             landed = self._rounds_one_by_one(work, length, rounds)
         elif chained:
             self._track_history(work)
-            seen = self.proposer.before_chain([w.slot for w in work],
-                                              [w.context_len for w in work]) if layered else None
-            # only n-gram lookups read the whole history; the rest draft from the last token
-            lookups = self.proposer is not None and self.proposer.method == "ngram"
-            histories = [self.history[w.slot] if lookups else w.tokens for w in work]
+            histories, seen = self._fresh_chain_inputs(work)
             landed = self.chain.run(layout, histories, rounds, seen)
         else:
             self._track_history(work)
@@ -604,6 +594,16 @@ class Worker:
         outcomes = self._chain_outcomes(work, landed, rounds, length, record=not one_by_one)
         self._leave_chain_ends()
         return StepResult(outcomes, 0.0, time.perf_counter() - start)
+
+    def _fresh_chain_inputs(self, work: list[SeqWork]) -> tuple[list[list[int]], list | None]:
+        """What a chain that starts from the host (not resumed on the device) takes: each
+        sequence's history, whole for n-gram lookups, else its pending token (the rest draft
+        from it), and an MTP or DFlash drafter's rows seen once it has caught up on the rows it
+        holds (`before_chain`)."""
+        method = self.proposer.method if self.proposer is not None else "none"
+        seen = self.proposer.before_chain([w.slot for w in work], [w.context_len for w in work]) \
+            if method in LAYER_DRAFTERS else None
+        return [self.history[w.slot] if method == "ngram" else w.tokens for w in work], seen
 
     def _leave_chain_ends(self) -> None:
         """After a chain is read: the plan after it (AHEAD rows, `_fill_ahead`) takes each
