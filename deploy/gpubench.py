@@ -204,7 +204,8 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     With speculation sequences finish at different rounds, and the last ones run in a smaller
     batch; `full_batch_tokens_per_s` counts only the steps until the first sequence finished, and
     `full_batch_s` and `full_batch_steps` say how much of the run they were (the rest is the
-    tail, which plain decoding, finishing every sequence at one step, does not have)."""
+    tail, which plain decoding, finishing every sequence at one step, does not have).
+    `timeline` has, after each step, the milliseconds since the start and the sequences running."""
     sched = llm.scheduler
     ids = [llm.add_request(p, greedy(new_tokens), streamed=False) for p in prompts]   # read at the end
     while sched.waiting or any(not s.output_ids for s in sched.running):
@@ -212,10 +213,12 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     before = sum(len(s.output_ids) for s in sched.running)
     sched.stats = SpecStats()
     full = None   # (tokens, seconds, steps) when the batch first shrank
+    timeline = []   # (ms since the start, sequences running) after each step
     steps, start = 0, time.perf_counter()
     while llm.has_work:
         llm.step()
         steps += 1
+        timeline.append((round(1000 * (time.perf_counter() - start), 3), len(sched.running)))
         if full is None and len(sched.running) < len(prompts):
             now = time.perf_counter()
             emitted = sum(len(s.output_ids) for i in ids for s in sched.by_request[i]) - before
@@ -235,6 +238,7 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             # the prefill: the slowest sequence's count is the run's critical path
             "sequence_rounds": sorted(len(s.output_ids) - 1 - s.spec.drafts_accepted
                                       for s in seqs),
+            "timeline": timeline,
             "acceptance": (stats.drafts_accepted / stats.drafts_proposed
                            if stats.drafts_proposed else None),
             "mean_acceptance_length": stats.mean_acceptance_length if stats.rounds else None,

@@ -58,6 +58,13 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 most = 0 if method == "none" else k
                 assert all(-(-11 // (most + 1)) <= r <= 11 for r in rounds)
                 assert method != "none" or rounds == [11] * int(size)
+                # after each step: ms since the start, rising to the wall; sequences running
+                times = [t for t, _ in run["timeline"]]
+                assert len(times) == run["steps"] and times == sorted(times)
+                assert 0 < times[-1] <= 1000 * run["wall_s"]
+                running = [n for _, n in run["timeline"]]
+                assert running[-1] == 0 and all(0 <= n <= int(size) for n in running)
+                assert running == sorted(running, reverse=True)
                 # steady: 4B requests of 12 +- 50% tokens, at most B sequences (so tokens) a step
                 b = int(size)
                 assert run["steady_requests"] == 4 * b

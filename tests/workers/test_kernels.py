@@ -387,11 +387,14 @@ def verify_offsets(slot_ids, n_slots, length, first):
     return offsets, offsets[slot_ids][:, None] + torch.arange(length, device=DEVICE)[None, :]
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("hk,hv,dim", [(2, 4, 32), (4, 4, 64)])
-def test_gated_delta_rule(keep, hk, hv, dim):
+def test_gated_delta_rule(keep, hk, hv, dim, one_pass, monkeypatch):
     """The recurrence with its gates computed from the raw projections, reading q, k, v, a, b as
-    views of one wider row, as the layer passes them."""
+    views of one wider row, as the layer passes them; each row's output read after the state's
+    update, or (one_pass) from the state before it."""
+    monkeypatch.setattr(kernels, "DELTA_ONE_PASS", one_pass)
     g_ = torch.Generator(DEVICE).manual_seed(hk + dim + keep)
     n_seq, length, slots = 3, 5, 6
 
@@ -688,9 +691,11 @@ def test_qk_norm_rope_to_cache_is_the_separate_kernels_in_one(dtype, offset, rot
     assert not torch.equal(k_cache, before_k)   # the rows were written
 
 
+@pytest.mark.parametrize("heads", [3, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gated_rms_norm_matches_the_module(dtype):
-    """Heads of 48 features (padded in the kernel), x and the gate read as views of wider rows."""
+def test_gated_rms_norm_matches_the_module(dtype, heads):
+    """Heads of 48 features (padded in the kernel), x and the gate read as views of wider rows;
+    3 heads are one program's NORM_HEADS less one, 6 one program and part of another."""
     from metrale.workers.models.layers import GatedRMSNorm
     if DEVICE == "cpu" and dtype == torch.bfloat16:
         pytest.skip("the Triton interpreter mishandles bfloat16")
@@ -698,8 +703,8 @@ def test_gated_rms_norm_matches_the_module(dtype):
     norm = GatedRMSNorm(48, 1e-6).to(DEVICE, dtype)
     with torch.no_grad():
         norm.weight.normal_(generator=g)
-    x, gate = (torch.randn(5, 200, generator=g, device=DEVICE).to(dtype)[:, 8:152].view(5, 3, 48)
-               for _ in range(2))
+    x, gate = (torch.randn(5, heads * 48 + 56, generator=g, device=DEVICE).to(dtype)[:, 8:-48]
+               .view(5, heads, 48) for _ in range(2))
     with torch.inference_mode():
         out, ref = norm.fused(x, gate), norm(x, gate)
     assert out.dtype == dtype and out.is_contiguous()

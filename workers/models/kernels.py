@@ -396,13 +396,16 @@ if triton is not None:
             slots_ptr, keep_ptr, offsets_ptr, length, scale, stride_q, stride_k, stride_v,
             stride_a, stride_b,
             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-            BV: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+            BV: tl.constexpr, KEEP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
         """One program: BV value columns of one value head of one sequence, token by token in
         float32. Row r of q, k, v, a and b starts at r times its stride. The gates come from the
         raw projections a and b (see _gates). The state starts from the sequence's slot; with KEEP
         the state after token t goes to verify entry offsets[slot] + t and the slot is left
         alone, else the slot is updated. A row's inputs are loaded while the row before is
-        computed (the last row's twice), so the rows wait on the recurrence alone."""
+        computed (the last row's twice), so the rows wait on the recurrence alone. With
+        ONE_PASS a row's output comes from the decayed state before its update, read with k in
+        one pass: S q + delta (k . q), which is S' q for S' = S + k delta^T, so a row waits on
+        one sum over the keys instead of two in turn."""
         _after_previous(PDL)
         seq, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // (HV // HK)
@@ -426,9 +429,16 @@ if triton is not None:
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
             state = state * tl.exp(g)
-            delta = (v - tl.sum(state * k[:, None], 0)) * beta
-            state = state + k[:, None] * delta[None, :]
-            out = tl.sum(state * q[:, None], 0)
+            if ONE_PASS:
+                read = tl.sum(state * k[:, None], 0)
+                before = tl.sum(state * q[:, None], 0)
+                delta = (v - read) * beta
+                out = before + delta * tl.sum(k * q)
+                state = state + k[:, None] * delta[None, :]
+            else:
+                delta = (v - tl.sum(state * k[:, None], 0)) * beta
+                state = state + k[:, None] * delta[None, :]
+                out = tl.sum(state * q[:, None], 0)
             tl.store(out_ptr + (r * HV + hv) * DV + dv, out.to(out_ptr.dtype.element_ty))
             if KEEP:
                 entry = tl.load(offsets_ptr + slot) + t
@@ -718,22 +728,24 @@ if triton is not None:
 
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, heads, stride_xt, stride_gt,
-                               eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PDL: tl.constexpr):
-        """One head of one row: RMSNorm rounded to x's dtype, times the weight (rounded again),
-        times SiLU(gate) in float32, as GatedRMSNorm rounds."""
+                               eps, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                               HEADS: tl.constexpr, PDL: tl.constexpr):
+        """HEADS heads of one row, each: RMSNorm rounded to x's dtype, times the weight (rounded
+        again), times SiLU(gate) in float32, as GatedRMSNorm rounds."""
         _after_previous(PDL)
-        row, head = tl.program_id(0), tl.program_id(1)
+        row = tl.program_id(0)
+        h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         d = tl.arange(0, D_PAD)
-        ok = d < HEAD_DIM
+        ok = (h[:, None] < heads) & (d[None, :] < HEAD_DIM)
+        at = h[:, None] * HEAD_DIM + d[None, :]
         dtype = out_ptr.dtype.element_ty
-        x = tl.load(x_ptr + row * stride_xt + head * HEAD_DIM + d, mask=ok, other=0.0)
-        x = x.to(tl.float32)
-        normed = (x * tl.rsqrt(tl.sum(x * x) / HEAD_DIM + eps)).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptr + row * stride_gt + head * HEAD_DIM + d, mask=ok, other=0.0)
-        gate = gate.to(tl.float32)
-        y = (w * normed).to(dtype).to(tl.float32) * (gate / (1.0 + tl.exp(-gate)))
-        tl.store(out_ptr + (row * heads + head) * HEAD_DIM + d, y.to(dtype), mask=ok)
+        x = tl.load(x_ptr + row * stride_xt + at, mask=ok, other=0.0).to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x, 1)[:, None] / HEAD_DIM + eps)).to(dtype)
+        w = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + row * stride_gt + at, mask=ok, other=0.0).to(tl.float32)
+        y = (w[None, :] * normed.to(tl.float32)).to(dtype).to(tl.float32)
+        y = y * (gate / (1.0 + tl.exp(-gate)))
+        tl.store(out_ptr + row * heads * HEAD_DIM + at, y.to(dtype), mask=ok)
 
 
 # Split-KV: a grid smaller than PROGRAMS_PER_SM programs per SM splits each program's keys into
@@ -909,6 +921,8 @@ def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
 # rows where four took 12.9, 2.4 us against 2.6 at one row, and 40 us at 32 sequences as four did;
 # 16 columns were faster still at 8 rows (8.6 us) but took 63 us at 32 sequences.
 DELTA_BV, DELTA_WARPS = 32, 1
+# A row's output read from the state before its update (_gated_delta_kernel's ONE_PASS)
+DELTA_ONE_PASS = True
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -934,7 +948,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
         offsets if offsets is not None else slots, length, dk ** -0.5,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, **_pdl(),
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, ONE_PASS=DELTA_ONE_PASS,
+        **_pdl(),
         num_warps=DELTA_WARPS)
     return out
 
@@ -1208,6 +1223,11 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Te
     return out
 
 
+# Heads of a row per gated_rms_norm program: 4 cut the bundled verify of 7 at B=32 (256 rows of 8
+# heads of 32) from 2.98 to 1.18 us a call on the H100 (scripts/normbench.py; README); 1 for A/B
+NORM_HEADS = 4
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """GatedRMSNorm: RMSNorm over each head of x [T, heads, D] times the weight, times
@@ -1217,7 +1237,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     for t in (x, gate):
         assert t.stride(2) == 1 and t.stride(1) == dim
     out = torch.empty(rows, heads, dim, dtype=x.dtype, device=x.device)
-    _gated_rms_norm_kernel[(rows, heads)](x, gate, weight, out, heads, x.stride(0),
-                                          gate.stride(0), eps, HEAD_DIM=dim, D_PAD=_pow2(dim),
-                                          **_pdl(), num_warps=1)
+    per = min(NORM_HEADS, _pow2(heads))
+    _gated_rms_norm_kernel[(rows, triton.cdiv(heads, per))](
+        x, gate, weight, out, heads, x.stride(0), gate.stride(0), eps, HEAD_DIM=dim,
+        D_PAD=_pow2(dim), HEADS=per, **_pdl(), num_warps=1)
     return out
