@@ -394,7 +394,7 @@ def test_gated_delta_rule(keep, hk, hv, dim, one_pass, monkeypatch):
     """The recurrence with its gates computed from the raw projections, reading q, k, v, a, b as
     views of one wider row, as the layer passes them; each row's output read after the state's
     update, or (one_pass) from the state before it."""
-    monkeypatch.setattr(kernels, "DELTA_ONE_PASS", one_pass)
+    monkeypatch.setattr(kernels, "DELTA_ONE_PASS_KEYS", dim if one_pass else 0)
     g_ = torch.Generator(DEVICE).manual_seed(hk + dim + keep)
     n_seq, length, slots = 3, 5, 6
 

@@ -921,8 +921,11 @@ def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
 # rows where four took 12.9, 2.4 us against 2.6 at one row, and 40 us at 32 sequences as four did;
 # 16 columns were faster still at 8 rows (8.6 us) but took 63 us at 32 sequences.
 DELTA_BV, DELTA_WARPS = 32, 1
-# A row's output read from the state before its update (_gated_delta_kernel's ONE_PASS)
-DELTA_ONE_PASS = True
+# Key heads of at most this many features read a row's output from the state before its update
+# (_gated_delta_kernel's ONE_PASS). On the H100 (scripts/deltabench.py; README) it took a verify
+# of 8 rows of the bundled model's heads of 32 from 6.6 to 4.8 us (1.06x at 32 sequences); on
+# heads of 128 it gained nothing (0.95-1.02x). 0: never, for A/B runs
+DELTA_ONE_PASS_KEYS = 32
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
@@ -948,8 +951,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
         offsets if offsets is not None else slots, length, dk ** -0.5,
         q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None, ONE_PASS=DELTA_ONE_PASS,
-        **_pdl(),
+        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None,
+        ONE_PASS=dk <= DELTA_ONE_PASS_KEYS, **_pdl(),
         num_warps=DELTA_WARPS)
     return out
 
