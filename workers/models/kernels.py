@@ -1227,7 +1227,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Te
 
 
 # Heads of a row per gated_rms_norm program: 4 cut the bundled verify of 7 at B=32 (256 rows of 8
-# heads of 32) from 2.98 to 1.18 us a call on the H100 (scripts/normbench.py; README); 1 for A/B
+# heads of 32) from 2.96 to 1.17 us a call on the H100 (scripts/normbench.py; README); 1 for A/B
 NORM_HEADS = 4
 
 
