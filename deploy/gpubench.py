@@ -218,9 +218,9 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     while llm.has_work:
         llm.step()
         steps += 1
-        timeline.append((round(1000 * (time.perf_counter() - start), 3), len(sched.running)))
+        now = time.perf_counter()
+        timeline.append((round(1000 * (now - start), 3), len(sched.running)))
         if full is None and len(sched.running) < len(prompts):
-            now = time.perf_counter()
             emitted = sum(len(s.output_ids) for i in ids for s in sched.by_request[i]) - before
             full = (emitted, now - start, steps)
     wall = time.perf_counter() - start
