@@ -6,7 +6,8 @@ critical path as a step really runs (stepprof syncs around each phase instead, t
 DRAFTS as in stepprof (`aK`: at most K, the draft policy choosing). Each spec decodes BATCH held-out
 prompts for 128 tokens three times and prints the last run: its steps and wall time, and per phase
 the microseconds a step spends in it (a phase that waits for the device, such as the verdicts'
-host sync, counts that wait).
+host sync, counts that wait), then the same for the run's first step alone (nothing was in
+flight before it) and the median of the others.
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from metrale.workers.batch import RowsLayout
 from stepprof import admit, engine   # this script's folder is on the path
 
 
-def wrap(obj, name: str, phases: dict, label: str) -> None:
+def wrap(obj, name: str, phases: dict, label: str, step: list[int]) -> None:
+    """Times each call of obj.name into phases[label] as (the step it ran in, microseconds)."""
     fn = getattr(obj, name)
 
     def run(*args, **kwargs):
         start = time.perf_counter()
         out = fn(*args, **kwargs)
-        phases.setdefault(label, []).append((time.perf_counter() - start) * 1e6)
+        phases.setdefault(label, []).append((step[0], (time.perf_counter() - start) * 1e6))
         return out
     setattr(obj, name, run)
 
@@ -36,40 +38,50 @@ def wrap(obj, name: str, phases: dict, label: str) -> None:
 def profile(spec: str, prompts) -> None:
     method, drafts, batch = spec.split(":")
     llm = engine(method, drafts)
-    w, s, ph = llm.worker, llm.scheduler, {}
+    w, s, ph, step = llm.worker, llm.scheduler, {}, [0]
     for name in ("_fill_ahead", "_track_history", "_propose", "_forward", "_verdicts"):
-        wrap(w, name, ph, "worker." + name)
+        wrap(w, name, ph, "worker." + name, step)
     if w.ssm is not None:
-        wrap(w.ssm, "commit", ph, "ssm.commit")
+        wrap(w.ssm, "commit", ph, "ssm.commit", step)
     if w.proposer is not None:
-        wrap(w.proposer, "commit", ph, "proposer.commit")
+        wrap(w.proposer, "commit", ph, "proposer.commit", step)
     if w.chain is not None:   # a chain of n-gram rounds; its runner waits for the device once
-        wrap(w, "_execute_chain", ph, "worker._execute_chain")
-        wrap(w.chain, "run", ph, "  chain.run (rounds)")
-    for name in ("_launch_decode", "_read_flights"):   # steps that fly (Worker.launch)
-        wrap(w, name, ph, "worker." + name)
-    wrap(w, "launch", ph, "worker.launch (all)")
-    wrap(s, "schedule", ph, "scheduler.schedule")
-    wrap(s, "update", ph, "scheduler.update")
-    wrap(s, "_measure", ph, "  scheduler._measure")
-    wrap(RowsLayout, "of", ph, "RowsLayout.of")
+        wrap(w, "_execute_chain", ph, "worker._execute_chain", step)
+        wrap(w.chain, "run", ph, "  chain.run (rounds)", step)
+    for name in ("_launch_decode", "_launch_chain", "_read_flights"):   # plans that fly (launch)
+        wrap(w, name, ph, "worker." + name, step)
+    wrap(w, "launch", ph, "worker.launch (all)", step)
+    wrap(s, "schedule", ph, "scheduler.schedule", step)
+    wrap(s, "update", ph, "scheduler.update", step)
+    wrap(s, "_measure", ph, "  scheduler._measure", step)
+    wrap(RowsLayout, "of", ph, "RowsLayout.of", step)
     for _ in range(3):
         ids = admit(llm, prompts[:int(batch)])
         ph.clear()
-        steps = 0
+        steps, ends = 0, []
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
         while llm.has_work:
+            step[0] = steps
             llm.step()
             steps += 1
-        wall = (time.perf_counter() - start) * 1e3
+            ends.append(time.perf_counter())
+        wall = (ends[-1] - start) * 1e3
         for i in ids:
             s.pop_finished(i)
     print(f"{spec}: {steps} steps, {wall:.1f} ms, {wall / steps * 1e3:.0f} us/step")
-    for label, us in ph.items():
+    for label, calls in ph.items():
+        us = [t for _, t in calls]
         print(f"   {label:26s} {sum(us) / steps:7.0f} us/step  ({len(us)} calls, "
               f"median {statistics.median(us):.0f})")
+    lasted = [(b - a) * 1e6 for a, b in zip([start] + ends, ends)]
+    later = statistics.median(lasted[1:]) if steps > 1 else 0.0
+    print(f"   first step {lasted[0]:.0f} us, the others' median {later:.0f} us; per phase, "
+          "first step / the others' median per step:")
+    for label, calls in ph.items():
+        per = [sum(t for i, t in calls if i == n) for n in range(steps)]
+        print(f"   {label:26s} {per[0]:7.0f} / {statistics.median(per[1:]) if steps > 1 else 0:7.0f}")
     llm.close()
 
 
