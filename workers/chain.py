@@ -217,7 +217,7 @@ class ChainRunner:
             step.update(ids=ids_in, drafts=drafts, slots=slots_in)
 
         def after(logits, hidden, captured):
-            best = logits.argmax(-1)
+            best = kernels.argmax_rows(logits)
             if verify:
                 accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
                                                              step["slots"], length)

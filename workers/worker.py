@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import statistics
@@ -76,6 +77,10 @@ class DeviceDrafts:
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
 CHAIN_ROUNDS = 8   # greedy rounds a plan chains on a graph worker (Worker._execute_chain)
 LAYER_DRAFTERS = ("mtp", "dflash")   # proposers whose chained rounds draft with a captured layer
+# A GPU worker, once started, freezes the objects alive then (gc.freeze): the millions that torch,
+# Triton and the model hold are no longer traversed by the collections that a step's garbage
+# sets off (False: not, for A/B runs)
+GC_FREEZE = True
 
 
 def _check_ahead(work: list[SeqWork], sampling) -> None:
@@ -286,6 +291,17 @@ class Worker:
             rows = self.warm_up(config.warmup_prefill_rows)
             log.info("warmed up a prefill of %d rows in %.1fs", rows, time.perf_counter() - start)
         log.info("worker on %s: %s", self.device, self.memory_report())
+        if GC_FREEZE and self.device.type == "cuda":
+            # those an earlier worker in this process froze are collected first, if garbage now
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+
+    def close(self) -> None:
+        """Lets the collector reach the objects frozen at start-up again (GC_FREEZE), so that
+        this worker, once dropped, can be collected."""
+        if GC_FREEZE and self.device.type == "cuda":
+            gc.unfreeze()
 
     def _chain_rounds(self) -> int:
         """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer or
@@ -412,7 +428,7 @@ class Worker:
         if len(self._flying) == FLIGHTS:   # its landing row is the oldest one's
             self._read_flights(self._flying[0])
         _, _, logits = self.graphs.run(layout, patch, keep_hidden=False)
-        best = logits.argmax(-1)
+        best = kernels.argmax_rows(logits)
         host = self._landing[self._launches % FLIGHTS][:len(work)]
         self._launches += 1
         host.copy_(best, non_blocking=True)   # a copy in stream order, read on the host later
@@ -656,7 +672,7 @@ class Worker:
                 ids.tolist(), context.tolist(), work)], bs)
             hidden, _, logits = self._forward(step)
             logits = self.model.logits(hidden) if logits is None else logits
-            best = logits.argmax(-1).view(n, length)
+            best = kernels.argmax_rows(logits).view(n, length)
             accepted = greedy_counts(drafts, best)
             if verify:
                 self.ssm.commit([w.slot for w in work], accepted.tolist())
@@ -799,7 +815,7 @@ class Worker:
                 or not all(len(w.tokens) == 1 and w.sample is not None
                            and self._plain_greedy(w) for w in work)):
             return None
-        best = logits.argmax(-1)
+        best = kernels.argmax_rows(logits)
         accepted = self.ssm.commit_greedy(
             self.graphs.input_ids(len(work) * length), best,
             [len(drafts.get(w.seq_id, ())) for w in work], [w.slot for w in work], length)

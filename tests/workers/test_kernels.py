@@ -258,6 +258,31 @@ def _compiled(kernel):
     return caches[torch.cuda.current_device()][0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1, 4096), (8, 4096), (5, 1000), (3, 16384)])
+def test_argmax_rows_is_torchs_argmax(dtype, rows, cols):
+    gen = torch.Generator().manual_seed(rows * cols)
+    wide = torch.randn(rows, cols + 24, generator=gen).to(dtype)
+    wide[:, 7] = wide[:, 700 % cols] = 50.0            # a tie: the first column wins
+    wide[-1, cols - 1] = 60.0                          # the last column, in a partial block
+    wide[0, :] = -float("inf")                         # a row of -inf: column 0
+    logits = wide[:, :cols].to(DEVICE)                 # rows strided, as a wider buffer's view
+    best = kernels.argmax_rows(logits)
+    assert best.dtype == torch.long
+    assert best.tolist() == logits.argmax(-1).tolist()
+    assert best.tolist()[1:] == [7] * (rows - 2) + [cols - 1] or rows == 1
+
+
+def test_argmax_rows_counts_a_nan_as_largest_and_leaves_wide_rows_to_torch(monkeypatch):
+    logits = torch.randn(4, 300).to(DEVICE)
+    logits[2, 123] = float("nan")
+    assert kernels.argmax_rows(logits)[2].item() == 123
+    calls = []
+    monkeypatch.setattr(kernels, "_argmax_rows_kernel", calls)   # a launch would fail on a list
+    monkeypatch.setattr(kernels, "ARGMAX_COLUMNS", 256)
+    assert kernels.argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("min_n, max_n, k", [(1, 4, 7), (2, 3, 3), (1, 1, 1), (3, 5, 15)])
 def test_ngram_lookup_drafts_what_the_scan_drafts(min_n, max_n, k):
     """One program a sequence: the drafts of `ngram_drafts` (the scan, the definition) then the
