@@ -123,8 +123,7 @@ class LLM:
         self._flying: deque = deque()   # (plan, InFlight) launched, oldest first
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks, or lets a worker in this process be collected once
-        dropped (`Worker.close`)."""
+        """Stops the tensor-parallel ranks (nothing to do for a worker in this process)."""
         if hasattr(self.worker, "close"):
             self.worker.close()
 

@@ -2,15 +2,13 @@
 critical path as a step really runs (stepprof syncs around each phase instead, to time the device).
 
     python3 scripts/hostprof.py none:0:1 ngram:7:1 mtp:a3:32     # METHOD:DRAFTS:BATCH ...
-    python3 scripts/hostprof.py --no-freeze ngram:a7:32           # the engine's gc.freeze() undone
 
 DRAFTS as in stepprof (`aK`: at most K, the draft policy choosing). Each spec decodes BATCH held-out
 prompts for 128 tokens three times and prints the last run: its steps and wall time, and per phase
 the microseconds a step spends in it (a phase that waits for the device, such as the verdicts'
 host sync, counts that wait), then the same for the run's first step alone (nothing was in
 flight before it) and the median of the others. Python's garbage collections count as phases
-too ("gc, generation N"); with --no-freeze the objects the engine froze at start-up are collected
-again as they were before workers.worker.GC_FREEZE.
+too ("gc, generation N").
 """
 from __future__ import annotations
 
@@ -39,8 +37,9 @@ def wrap(obj, name: str, phases: dict, label: str, step: list[int]) -> None:
     setattr(obj, name, run)
 
 
-def watch_collections(phases: dict, step: list[int]) -> None:
-    """Times each garbage collection into phases["gc, generation N"], as wrap does."""
+def watch_collections(phases: dict, step: list[int]):
+    """Times each garbage collection into phases["gc, generation N"], as wrap does; returns the
+    callback, to remove from gc.callbacks."""
     began = [0.0]
 
     def on_gc(phase: str, info: dict) -> None:
@@ -50,15 +49,14 @@ def watch_collections(phases: dict, step: list[int]) -> None:
             phases.setdefault(f"gc, generation {info['generation']}", []).append(
                 (step[0], (time.perf_counter() - began[0]) * 1e6))
     gc.callbacks.append(on_gc)
+    return on_gc
 
 
-def profile(spec: str, prompts, freeze: bool) -> None:
+def profile(spec: str, prompts) -> None:
     method, drafts, batch = spec.split(":")
     llm = engine(method, drafts)
-    if not freeze:
-        gc.unfreeze()
     w, s, ph, step = llm.worker, llm.scheduler, {}, [0]
-    watch_collections(ph, step)
+    watching = watch_collections(ph, step)
     for name in ("_fill_ahead", "_track_history", "_propose", "_forward", "_verdicts"):
         wrap(w, name, ph, "worker." + name, step)
     if w.ssm is not None:
@@ -91,7 +89,7 @@ def profile(spec: str, prompts, freeze: bool) -> None:
         for i in ids:
             s.pop_finished(i)
     print(f"{spec}: {steps} steps, {wall:.1f} ms, {wall / steps * 1e3:.0f} us/step, "
-          f"{gc.get_freeze_count()} objects frozen, {len(gc.get_objects())} tracked")
+          f"{len(gc.get_objects())} objects tracked by the collector")
     for label, calls in ph.items():
         us = [t for _, t in calls]
         print(f"   {label:26s} {sum(us) / steps:7.0f} us/step  ({len(us)} calls, "
@@ -103,15 +101,14 @@ def profile(spec: str, prompts, freeze: bool) -> None:
     for label, calls in ph.items():
         per = [sum(t for i, t in calls if i == n) for n in range(steps)]
         print(f"   {label:26s} {per[0]:7.0f} / {statistics.median(per[1:]) if steps > 1 else 0:7.0f}")
-    gc.callbacks.clear()
+    gc.callbacks.remove(watching)
     llm.close()
 
 
 def main() -> None:
     prompts = bundled_prompts(BUNDLED_MODEL, 64, 256)
-    specs = [a for a in sys.argv[1:] if a != "--no-freeze"]
-    for spec in specs:
-        profile(spec, prompts, freeze="--no-freeze" not in sys.argv)
+    for spec in sys.argv[1:]:
+        profile(spec, prompts)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import statistics
@@ -77,10 +76,6 @@ class DeviceDrafts:
 FLIGHTS = 4   # decode steps a worker keeps launched before it reads the oldest one's tokens
 CHAIN_ROUNDS = 8   # greedy rounds a plan chains on a graph worker (Worker._execute_chain)
 LAYER_DRAFTERS = ("mtp", "dflash")   # proposers whose chained rounds draft with a captured layer
-# A GPU worker, once started, freezes the objects alive then (gc.freeze): the millions that torch,
-# Triton and the model hold are no longer traversed by the collections that a step's garbage
-# sets off (False: not, for A/B runs)
-GC_FREEZE = True
 
 
 def _check_ahead(work: list[SeqWork], sampling) -> None:
@@ -291,17 +286,6 @@ class Worker:
             rows = self.warm_up(config.warmup_prefill_rows)
             log.info("warmed up a prefill of %d rows in %.1fs", rows, time.perf_counter() - start)
         log.info("worker on %s: %s", self.device, self.memory_report())
-        if GC_FREEZE and self.device.type == "cuda":
-            # those an earlier worker in this process froze are collected first, if garbage now
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
-
-    def close(self) -> None:
-        """Lets the collector reach the objects frozen at start-up again (GC_FREEZE), so that
-        this worker, once dropped, can be collected."""
-        if GC_FREEZE and self.device.type == "cuda":
-            gc.unfreeze()
 
     def _chain_rounds(self) -> int:
         """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer or
