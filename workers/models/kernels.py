@@ -868,7 +868,7 @@ def commit_states(conv: torch.Tensor, state: torch.Tensor, verify_conv: torch.Te
 
 
 # Rows of at most this many columns take argmax_rows' kernel, one program a row in one pass;
-# wider ones (Qwen's 151936) torch's argmax, which splits a row over several blocks
+# wider ones (Qwen's 151936) keep torch's argmax, not one program reading a whole row alone
 ARGMAX_COLUMNS = 16384
 
 
