@@ -53,6 +53,8 @@ def watch_collections(phases: dict, step: list[int]):
 
 
 def profile(spec: str, prompts) -> None:
+    classes = {(RowsLayout, "of"): RowsLayout.__dict__["of"],   # wrapped below; put back after
+               (torch.cuda.CUDAGraph, "replay"): torch.cuda.CUDAGraph.__dict__["replay"]}
     method, drafts, batch = spec.split(":")
     llm = engine(method, drafts)
     w, s, ph, step = llm.worker, llm.scheduler, {}, [0]
@@ -66,12 +68,19 @@ def profile(spec: str, prompts) -> None:
     if w.chain is not None:   # a chain of n-gram rounds; its runner waits for the device once
         wrap(w, "_execute_chain", ph, "worker._execute_chain", step)
         wrap(w.chain, "run", ph, "  chain.run (rounds)", step)
+        # inside a chain's launch: what a chain from the host adds to one resumed on the device
+        wrap(w, "_fresh_chain_inputs", ph, "  worker._fresh_chain_inputs", step)
+        wrap(w.chain, "launch", ph, "  chain.launch", step)
+        wrap(w.graphs, "prepare", ph, "    graphs.prepare", step)
+        wrap(torch.cuda.CUDAGraph, "replay", ph, "    CUDA graph replays", step)
     for name in ("_launch_decode", "_launch_chain", "_read_flights"):   # plans that fly (launch)
         wrap(w, name, ph, "worker." + name, step)
     wrap(w, "launch", ph, "worker.launch (all)", step)
     wrap(s, "schedule", ph, "scheduler.schedule", step)
     wrap(s, "update", ph, "scheduler.update", step)
     wrap(s, "_measure", ph, "  scheduler._measure", step)
+    wrap(s, "_plan", ph, "  scheduler._plan", step)
+    wrap(s, "_ahead_chain", ph, "  scheduler._ahead_chain", step)
     wrap(RowsLayout, "of", ph, "RowsLayout.of", step)
     for _ in range(3):
         ids = admit(llm, prompts[:int(batch)])
@@ -102,6 +111,8 @@ def profile(spec: str, prompts) -> None:
         per = [sum(t for i, t in calls if i == n) for n in range(steps)]
         print(f"   {label:26s} {per[0]:7.0f} / {statistics.median(per[1:]) if steps > 1 else 0:7.0f}")
     gc.callbacks.remove(watching)
+    for (cls, name), original in classes.items():
+        setattr(cls, name, original)
     llm.close()
 
 
