@@ -204,7 +204,9 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     With speculation sequences finish at different rounds, and the last ones run in a smaller
     batch; `full_batch_tokens_per_s` counts only the steps until the first sequence finished, and
     `full_batch_s` and `full_batch_steps` say how much of the run they were (the rest is the
-    tail, which plain decoding, finishing every sequence at one step, does not have).
+    tail, which plain decoding, finishing every sequence at one step, does not have). The run
+    ends when the last sequence's last token is on the host: a chain launched ahead of it that
+    its last rounds made needless is read before the next run's prefill (`LLM.step`).
     `timeline` has, after each step, the milliseconds since the start and the sequences running."""
     sched = llm.scheduler
     ids = [llm.add_request(p, greedy(new_tokens), streamed=False) for p in prompts]   # read at the end

@@ -147,15 +147,18 @@ class LLM:
 
     @property
     def has_work(self) -> bool:
-        """Requests not finished, or steps still launched."""
-        return self.scheduler.has_work or bool(self._flying)
+        """Requests not finished (see `step` on the steps launched for them)."""
+        return self.scheduler.has_work
 
     def step(self) -> list[Sequence]:
         """One scheduler plan executed on the worker; returns sequences that got a token. On a
         worker that replays CUDA graphs, plain decoding keeps two steps launched: the next is
         planned ahead (its tokens are those the step before samples, taken on the device) and
         launched before the host reads the tokens of the one before, so the scheduler's work
-        overlaps the device's (see `Worker.launch`)."""
+        overlaps the device's (see `Worker.launch`). Once every request has finished, a step
+        still launched holds only finished sequences (a chain of rounds planned ahead of one
+        whose last round then took its last tokens): it is not waited for, and the worker reads
+        it before its next launch."""
         if not self._pipelined:
             plan = self.scheduler.schedule()
             try:
@@ -177,7 +180,12 @@ class LLM:
             self._flying.clear()
             raise
         self._flying.popleft()
-        return self.scheduler.update(plan, result)
+        touched = self.scheduler.update(plan, result)
+        if not self.scheduler.has_work:
+            for plan, _ in self._flying:
+                self.scheduler.forget(plan)
+            self._flying.clear()
+        return touched
 
     def generate(self, prompts: list[str | list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -1089,6 +1089,37 @@ def test_ngram_chains_planned_ahead_go_on_from_the_device(monkeypatch, checkpoin
         assert len(resumed) >= 2 and [1, 2] in resumed, rows   # row 0 left
 
 
+def test_a_chain_launched_ahead_of_sequences_that_finished_is_read_at_the_next_launch(
+        monkeypatch, checkpoint):
+    """Once every request has finished, `LLM.step` does not wait for a chain launched ahead of
+    sequences that the chain before it ended (here at a stop token, met while the chain after
+    it was planned and launched): `generate` returns with that chain unread, and the worker
+    reads it before its next launch. Each request, run one after another, still gets the
+    hybrid target's plain greedy tokens up to its stop token."""
+    from metrale.cluster.params import SamplingParams
+    from metrale.deploy.llm import LLM
+    if DEVICE == "cpu":
+        _graph_path_on_cpu(monkeypatch)
+    model_dir = checkpoint("qwen3_5")
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9], [11, 12, 13, 11, 12]]
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    reference = LLM(model_dir, device=DEVICE, dtype="float32", block_size=4)
+    expected = [o.token_ids for o in reference.generate(prompts, greedy)]
+    llm = LLM(model_dir, device=DEVICE, dtype="float32", block_size=4, attention_backend="triton",
+              speculative_method="ngram", num_drafts=3, adaptive_drafts=False, max_num_seqs=2,
+              chain_rounds=3, capture_at_start=False)
+    assert llm.worker.chain is not None
+    unread = []
+    for prompt, tokens in zip(prompts, expected):
+        stop = tokens.index(tokens[7])
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                stop_token_ids=(tokens[7],))
+        out = llm.generate([prompt], params)[0]
+        assert out.token_ids == tokens[:stop + 1] and out.finish_reason == "stop"
+        unread.append(len(llm.worker._flying))
+    assert any(unread), unread
+
+
 @pytest.mark.parametrize("method", ["mtp", "dflash", "ngram"])
 def test_chains_without_drafts_feed_the_drafter_as_steps_one_by_one_do(monkeypatch, method):
     """Where the draft policy chooses k = 0 (here every other plan, from the first), a graph
