@@ -156,9 +156,9 @@ class LLM:
         planned ahead (its tokens are those the step before samples, taken on the device) and
         launched before the host reads the tokens of the one before, so the scheduler's work
         overlaps the device's (see `Worker.launch`). Once every request has finished, a step
-        still launched holds only finished sequences (a chain of rounds planned ahead of one
-        whose last round then took its last tokens): it is not waited for, and the worker reads
-        it before its next launch."""
+        still launched holds only finished sequences (planned ahead of sequences that the step
+        before then ended): it is not waited for, and the worker reads it before its next
+        launch."""
         if not self._pipelined:
             plan = self.scheduler.schedule()
             try:
@@ -182,8 +182,8 @@ class LLM:
         self._flying.popleft()
         touched = self.scheduler.update(plan, result)
         if not self.scheduler.has_work:
-            for plan, _ in self._flying:
-                self.scheduler.forget(plan)
+            for needless, _ in self._flying:
+                self.scheduler.forget(needless)
             self._flying.clear()
         return touched
 
