@@ -14,21 +14,15 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from metrale.deploy.bundled import BUNDLED_MODEL
 from metrale.deploy.gpubench import bundled_prompts
-from stepprof import admit, engine   # this script's folder is on the path
+from stepprof import admit, engine, sync   # this script's folder is on the path
 
 TRACED = 5   # steps
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_WORK = ("cpu_op", "cuda_runtime", "user_annotation")
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def trace(spec: str, prompts) -> str:
