@@ -20,8 +20,8 @@ from metrale.drafting.proposer import CommittedRows, ProposeRequest, build_propo
 from metrale.drafting.rejection import greedy_verdict, verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import RowsLayout, SeqRows, to_device
-from metrale.workers.chain import (ChainRunner, advance, draft_round, greedy_counts,
-                                   padded_histories)
+from metrale.workers.chain import (ChainRunner, SlotHistories, advance, draft_round,
+                                   greedy_counts, padded_histories)
 from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
@@ -221,7 +221,7 @@ class Worker:
             prefix_sharing=not (p and p.keeps_row_state), on_gpu=self.device.type == "cuda",
             pad_drafts=bool(p) and self.pad_drafts, graphs=self.use_graphs,
             chain_rounds=self._chain_rounds())
-        self.history: list[list[int]] = [[] for _ in range(slots)]   # committed tokens per slot
+        self.history = SlotHistories(slots, mirrored=bool(p) and p.method == "ngram")
         self.grammars: list[tuple | None] = [None] * slots          # (spec, constraint) per slot
         self._grammar_compiler = None
         self.prompt_len = [0] * slots
@@ -406,7 +406,8 @@ class Worker:
                                 for w in work], self.config.block_size)
         fresh = [w for w in work if w.context_len == 0]   # one-token prompts
         for w in fresh:   # (no proposer: the history of a step in flight is not kept)
-            self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
+            self.history.reset(w.slot)
+            self.prompt_len[w.slot] = w.prompt_len
         if fresh and self.ssm is not None:
             self.ssm.reset([w.slot for w in fresh])
         if len(self._flying) == FLIGHTS:   # its landing row is the oldest one's
@@ -535,7 +536,7 @@ class Worker:
             if w.seq_id in verifying:
                 verified[0].append(w.slot)
                 verified[1].append(accepted)
-            self.history[w.slot].extend(d[:accepted])
+            self.history.extend(w.slot, d[:accepted])
             if outcome:
                 outcomes.append(outcome)
                 self.stats.record(outcome.proposed, accepted)
@@ -595,15 +596,18 @@ class Worker:
         self._leave_chain_ends()
         return StepResult(outcomes, 0.0, time.perf_counter() - start)
 
-    def _fresh_chain_inputs(self, work: list[SeqWork]) -> tuple[list[list[int]], list | None]:
+    def _fresh_chain_inputs(self, work: list[SeqWork]) -> tuple[tuple, list | None]:
         """What a chain that starts from the host (not resumed on the device) takes: each
         sequence's history, whole for n-gram lookups, else its pending token (the rest draft
-        from it), and an MTP or DFlash drafter's rows seen once it has caught up on the rows it
-        holds (`before_chain`)."""
+        from it), as zero-padded rows and their lengths, and an MTP or DFlash drafter's rows
+        seen once it has caught up on the rows it holds (`before_chain`)."""
         method = self.proposer.method if self.proposer is not None else "none"
         seen = self.proposer.before_chain([w.slot for w in work], [w.context_len for w in work]) \
             if method in LAYER_DRAFTERS else None
-        return [self.history[w.slot] if method == "ngram" else w.tokens for w in work], seen
+        if method == "ngram":
+            return self.history.rows([w.slot for w in work]), seen
+        pending = [w.tokens for w in work]
+        return (padded_histories(pending, max(map(len, pending))), list(map(len, pending))), seen
 
     def _leave_chain_ends(self) -> None:
         """After a chain is read: the plan after it (AHEAD rows, `_fill_ahead`) takes each
@@ -629,7 +633,7 @@ class Worker:
             context, pending = self._chain_end[w.seq_id] if resumed else (w.context_len, None)
             if record:
                 self.stats.record(depth, *per_round)
-                self.history[w.slot].extend(([pending] if resumed else []) + tokens[:-1])
+                self.history.extend(w.slot, ([pending] if resumed else []) + tokens[:-1])
                 if layered:
                     self.proposer.after_chain(w.slot, context, len(tokens))
             ends[w.seq_id] = (context + len(tokens), tokens[-1])
@@ -783,8 +787,9 @@ class Worker:
             self.ssm.reset(fresh)
         for w in work:
             if w.context_len == 0:
-                self.history[w.slot], self.prompt_len[w.slot] = [], w.prompt_len
-            self.history[w.slot].extend(w.tokens)
+                self.history.reset(w.slot)
+                self.prompt_len[w.slot] = w.prompt_len
+            self.history.extend(w.slot, w.tokens)
 
     def _commit_before_verdicts(self, work: list[SeqWork], layout: RowsLayout,
                                 drafts: dict[int, list[int]], logits: torch.Tensor | None):
