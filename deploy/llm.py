@@ -175,17 +175,19 @@ class LLM:
             plan, launched = self._flying[0]
             result = launched.result()
         except BaseException:
-            for plan, _ in self._flying:
-                self.scheduler.forget(plan)
-            self._flying.clear()
+            self._drop_flying()   # their sequences may be planned again
             raise
         self._flying.popleft()
         touched = self.scheduler.update(plan, result)
         if not self.scheduler.has_work:
-            for needless, _ in self._flying:
-                self.scheduler.forget(needless)
-            self._flying.clear()
+            self._drop_flying()
         return touched
+
+    def _drop_flying(self) -> None:
+        """Forgets the plans still launched; the worker reads them before its next launch."""
+        for plan, _ in self._flying:
+            self.scheduler.forget(plan)
+        self._flying.clear()
 
     def generate(self, prompts: list[str | list[int]] | str,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

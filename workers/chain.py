@@ -31,6 +31,13 @@ def padded_histories(histories: list[list[int]], width: int) -> np.ndarray:
     return rows
 
 
+def padded_rows(histories: list[list[int]]) -> tuple[np.ndarray, list[int]]:
+    """The histories as rows as wide as the longest, zeros after each, and their lengths: what
+    a chain that starts from the host takes (`ChainRunner.launch`)."""
+    lengths = list(map(len, histories))
+    return padded_histories(histories, max(lengths)), lengths
+
+
 class SlotHistories:
     """Each slot's committed tokens: a list per slot, as the host's proposers read them, and,
     when `mirrored` (n-gram chains, which start from whole histories), the same tokens in one
@@ -61,10 +68,10 @@ class SlotHistories:
     def rows(self, slots: list[int]) -> tuple[np.ndarray, list[int]]:
         """The slots' histories as rows as wide as the longest, zeros after each, and their
         lengths."""
+        if not self.mirrored:
+            return padded_rows([self.lists[s] for s in slots])
         lengths = [len(self.lists[s]) for s in slots]
         width = max(lengths)
-        if not self.mirrored:
-            return padded_histories([self.lists[s] for s in slots], width), lengths
         for s in slots:
             self._write(s)
         rows = self.array[slots, :width]   # (a copy)
@@ -179,7 +186,7 @@ class ChainRunner:
         """Launches `rounds` chained rounds of the layout's sequences (one length: the pending
         token's row and the drafts'; its ids and cached lengths are not read) without waiting
         for them. Either `histories` are the sequences' token histories, pending token last,
-        as zero-padded rows and their lengths (`SlotHistories.rows`; and their DFlash windows
+        as zero-padded rows and their lengths (`padded_rows`, `SlotHistories.rows`; and their DFlash windows
         have taken `seen` rows), or the sequences go on from where
         the chain launched last leaves them on the device, `rows` their rows in it (`resume`).
         Returns per round and sequence its argmaxes, then its accepted count, on the device."""

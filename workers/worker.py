@@ -21,7 +21,7 @@ from metrale.drafting.rejection import greedy_verdict, verify_drafts
 from metrale.drafting.stats import SpecStats
 from metrale.workers.batch import RowsLayout, SeqRows, to_device
 from metrale.workers.chain import (ChainRunner, SlotHistories, advance, draft_round,
-                                   greedy_counts, padded_histories)
+                                   greedy_counts, padded_histories, padded_rows)
 from metrale.workers.cuda_graphs import GraphRunner
 from metrale.workers.kv_cache import PagedKVCache
 from metrale.workers.models import kernels, load_model
@@ -606,8 +606,7 @@ class Worker:
             if method in LAYER_DRAFTERS else None
         if method == "ngram":
             return self.history.rows([w.slot for w in work]), seen
-        pending = [w.tokens for w in work]
-        return (padded_histories(pending, max(map(len, pending))), list(map(len, pending))), seen
+        return padded_rows([w.tokens for w in work]), seen
 
     def _leave_chain_ends(self) -> None:
         """After a chain is read: the plan after it (AHEAD rows, `_fill_ahead`) takes each
