@@ -7,9 +7,9 @@ around a fourth with Python's calls recorded, to name what the host ran while th
 Per step of the third run it prints the host's time and, inside that window, the device's busy
 time, when its first work began, the longest stretch the device idled and how many kernels and
 copies ran: a step that waits for the host shows a late first kernel or a long idle stretch.
-Then, from the fourth run (its host slowed by the recording, so read it for names, not times),
-the device's longest idle stretches, each with the Python calls that overlap it most, and the
-first step's CUDA runtime calls by total time. The chrome traces go to
+Then the third run's first step's CUDA runtime calls by total time and, from the fourth run
+(its host slowed by the recording, so read it for names, not times), the device's longest idle
+stretches, each with the Python calls that overlap it most. The chrome traces go to
 /tmp/steptrace-SPEC.json and /tmp/steptrace-SPEC-stack.json (chrome://tracing or Perfetto).
 Written for a GPU; on the CPU only the host side is there.
 """
@@ -71,6 +71,11 @@ def load(path: str) -> tuple[list[dict], list[dict], list[tuple[float, float]]]:
     return events, steps, busy
 
 
+def span_ms(steps: list[dict]) -> float:
+    """Milliseconds from the first step's start to the last one's end."""
+    return (steps[-1]["ts"] + steps[-1]["dur"] - steps[0]["ts"]) / 1e3
+
+
 def idle(busy: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
     """The stretches of [start, end] with no device work."""
     out, at = [], start
@@ -87,7 +92,7 @@ def idle(busy: list[tuple[float, float]], start: float, end: float) -> list[tupl
 
 def report(spec: str, path: str, stack_path: str) -> None:
     events, steps, busy = load(path)
-    print(f"{spec}: {len(steps)} steps, {(steps[-1]['ts'] + steps[-1]['dur'] - steps[0]['ts']) / 1e3:.2f} ms")
+    print(f"{spec}: {len(steps)} steps, {span_ms(steps):.2f} ms")
     for s in steps:
         start, end = s["ts"], s["ts"] + s["dur"]
         inside = [(a, b) for a, b in busy if a < end and b > start]
@@ -97,18 +102,6 @@ def report(spec: str, path: str, stack_path: str) -> None:
         longest = max((b - a for a, b in gaps), default=0.0)
         print(f"  {s['name']:6s} host {s['dur']:6.0f} us, device busy {max(0.0, s['dur'] - sum(b - a for a, b in gaps)):6.0f} us, "
               f"first work {first}, longest idle {longest:5.0f} us, {work} kernels and copies")
-    events, steps, busy = load(stack_path)
-    calls = [e for e in events if e.get("cat") == "python_function"]
-    gaps = idle(busy, steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"])
-    print(f"  with Python's calls recorded ({(steps[-1]['ts'] + steps[-1]['dur'] - steps[0]['ts']) / 1e3:.2f} ms): "
-          f"the longest idle stretches and the calls overlapping them most")
-    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:GAPS]:
-        step = next((s["name"] for s in steps if s["ts"] <= a < s["ts"] + s["dur"]), "?")
-        print(f"    {b - a:6.0f} us idle in {step} at +{a - steps[0]['ts']:7.0f}")
-        over = [(min(b, e["ts"] + e["dur"]) - max(a, e["ts"]), e) for e in calls
-                if e["ts"] < b and e["ts"] + e["dur"] > a and e["dur"] < 2 * (b - a)]
-        for o, e in sorted(over, key=lambda x: -x[0])[:6]:
-            print(f"      {o:6.0f} of {e['dur']:6.0f} us  {e['name'][:90]}")
     first = steps[0]
     host: dict[str, list[float]] = {}
     for e in events:
@@ -117,6 +110,18 @@ def report(spec: str, path: str, stack_path: str) -> None:
     print("  STEP0's CUDA runtime calls (count, total us):")
     for name, durations in sorted(host.items(), key=lambda kv: -sum(kv[1]))[:8]:
         print(f"    {len(durations):4d} {sum(durations):7.0f}  {name}")
+    events, steps, busy = load(stack_path)
+    calls = [e for e in events if e.get("cat") == "python_function"]
+    gaps = idle(busy, steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"])
+    print(f"  with Python's calls recorded ({span_ms(steps):.2f} ms): "
+          f"the longest idle stretches and the calls overlapping them most")
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:GAPS]:
+        step = next((s["name"] for s in steps if s["ts"] <= a < s["ts"] + s["dur"]), "?")
+        print(f"    {b - a:6.0f} us idle in {step} at +{a - steps[0]['ts']:7.0f}")
+        over = [(min(b, e["ts"] + e["dur"]) - max(a, e["ts"]), e) for e in calls
+                if e["ts"] < b and e["ts"] + e["dur"] > a and e["dur"] < 2 * (b - a)]
+        for o, e in sorted(over, key=lambda x: -x[0])[:6]:
+            print(f"      {o:6.0f} of {e['dur']:6.0f} us  {e['name'][:90]}")
 
 
 def main() -> None:
