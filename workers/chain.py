@@ -1,4 +1,5 @@
-"""Greedy n-gram, MTP or DFlash rounds chained on the device: one CUDA graph replay a round.
+"""Greedy n-gram, MTP or DFlash rounds chained on the device: a chain of `max_rounds` rounds is
+one CUDA graph replay, a shorter one a replay a round.
 
 A chained round drafts (n-gram: from each sequence's history, `ngram_drafts_on_device`; MTP
 and DFlash: their drafter's `round_drafts`, from each slot's stash or context window; none in a
@@ -6,8 +7,10 @@ round of depth 0, a plain decode step that still feeds the drafter), lays out
 its verify rows, runs the target, counts the accepted drafts, commits a hybrid's SSM states,
 feeds a drafter the committed rows (`round_commit`: MTP's K/V and stash, DFlash's context
 window) and appends the round's tokens to the history, all inside one graph over static
-buffers. The host fills the buffers once per chain, replays the graph once per round and reads
-every round's tokens with one sync at the end (`Worker._execute_chain`). A chain planned before
+buffers; a second graph holds `max_rounds` such rounds in a row. The host fills the buffers
+once per chain, replays the graphs (on an H100, 8 replays of a round's graph and their copies
+took 130-250 us of host time, one replay of 8 rounds 7-25 us: scripts/chainlaunch.py) and
+reads every round's tokens with one sync at the end (`Worker._execute_chain`). A chain planned before
 the last one's result goes on from the buffers that one leaves (`ChainRunner.resume`), so the
 host fills nothing per sequence and launches it while the last one runs (`Worker._launch_chain`).
 """
@@ -149,10 +152,11 @@ def land(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor, best:
 
 
 class ChainRunner:
-    """The chain's static buffers, shared by its graphs (one per batch bucket and rows per
-    sequence, captured at start or on first use): each sequence's tokens (`history`, the first
-    `used` of a row valid), its cached length (`context`), and the latest round's argmaxes
-    and accepted count per sequence (`landing`, [bucket, length + 1]). With a `drafter` (the
+    """The chain's static buffers, shared by its graphs (two per batch bucket and rows per
+    sequence, one round and `max_rounds` rounds, captured at start or on first use): each
+    sequence's tokens (`history`, the first `used` of a row valid), its cached length
+    (`context`), and per round of a graph its argmaxes and accepted count per sequence
+    (`landing`, [max_rounds, bucket, length + 1]). With a `drafter` (the
     MTP or DFlash proposer's graphs) the rounds draft with it, and the history need only hold
     each sequence's pending token at the start; `seen` holds the rows each sequence's DFlash
     window has taken."""
@@ -167,9 +171,12 @@ class ChainRunner:
         self.used = torch.ones(seqs, dtype=torch.long, device=device)
         self.context = torch.zeros(seqs, dtype=torch.long, device=device)
         self.seen = torch.zeros(seqs, dtype=torch.long, device=device)
-        self.landing = torch.zeros(seqs, graphs.max_rows + 1, dtype=torch.long, device=device)
-        # per (bucket, rows, verify): the graph, and the functions captured in it, which hold
-        # tensors it reads (freed, their memory would be handed out again)
+        self.max_rounds = max(max_rounds, 1)
+        self.landing = torch.zeros(self.max_rounds, seqs, graphs.max_rows + 1, dtype=torch.long,
+                                   device=device)
+        # per (bucket, rows, verify): the graph of one round, the graph of max_rounds rounds in
+        # a row (None when that is 1), and the functions captured in them, which hold tensors
+        # they read (freed, their memory would be handed out again)
         self.graphs_by_shape: dict[tuple[int, int, bool], tuple] = {}
 
     @torch.inference_mode()
@@ -210,11 +217,15 @@ class ChainRunner:
             self.used[:n].copy_(sizes[0])
             self.context[:n].copy_(sizes[1])
             self.seen[:n].copy_(sizes[2])
-        graph = self.graphs_by_shape[key][0]
+        one, many = self.graphs_by_shape[key][:2]
         landed = torch.empty(rounds, n, length + 1, dtype=torch.long, device=self.history.device)
-        for r in range(rounds):
+        r = 0
+        while r < rounds:   # max_rounds at a time where they fit: one launch, not one a round
+            graph, take = (many, self.max_rounds) if many and rounds - r >= self.max_rounds \
+                else (one, 1)
             graph.replay()
-            landed[r].copy_(self.landing[:n, :length + 1])
+            landed[r:r + take].copy_(self.landing[:take, :n, :length + 1])
+            r += take
         return landed
 
     def resume(self, rows: list[int], bucket: int) -> None:
@@ -241,10 +252,13 @@ class ChainRunner:
                     self._capture(bucket, length, verify)
 
     def _capture(self, bucket: int, length: int, verify: bool) -> None:
-        self._reset(bucket)   # the capture runs the round once, over padding only
-        around = self._round(bucket, length, verify)   # kept: the graph reads its tensors
-        self.graphs_by_shape[(bucket, length, verify)] = (
-            self.graphs.capture_around(bucket, length, verify, *around), around)
+        around = self._round(bucket, length, verify)   # kept: the graphs read its tensors
+        graphs = []
+        for rounds in sorted({1, self.max_rounds}):
+            self._reset(bucket)   # the capture runs the rounds once, over padding only
+            graphs.append(self.graphs.capture_around(bucket, length, verify, *around, rounds))
+        many = graphs[1] if len(graphs) > 1 else None
+        self.graphs_by_shape[(bucket, length, verify)] = (graphs[0], many, around)
 
     def _reset(self, bucket: int, start: int = 0) -> None:
         """Rows start.. of the bucket as padding: one token, nothing cached (padding rows
@@ -277,7 +291,7 @@ class ChainRunner:
                          positions_in, kv_in, context_in)
             step.update(ids=ids_in, drafts=drafts, slots=slots_in)
 
-        def after(logits, hidden, captured):
+        def after(logits, hidden, captured, r):
             best = kernels.argmax_rows(logits)
             if verify:
                 accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
@@ -288,5 +302,5 @@ class ChainRunner:
                 drafter.round_commit(best, context, accepted + 1, seen, step["slots"], tables,
                                      hidden, captured, length)
             land(history, used, context, best.view(bucket, length), accepted,
-                 self.landing[:bucket])
+                 self.landing[r, :bucket])
         return before, after

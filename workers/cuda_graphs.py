@@ -152,7 +152,9 @@ class GraphRunner:
             self.copied[self.turn].synchronize()   # its previous copy has left
         n = len(layout.seqs) if layout is not None else 0
         rows, bs = n * length, self.block_size
-        width = layout.tables.shape[1] if layout is not None else -(-length // bs)
+        # (no layout: a capture, whose padding sequences may run several rounds, every one of
+        # them in the block kept for padding)
+        width = layout.tables.shape[1] if layout is not None else self.width
         ids, pos, kv_index, slots, q_start, q_len, ctx, tables = (
             t.numpy() for t in self._views(bucket, length, width, staging))
         if layout is not None:
@@ -173,16 +175,19 @@ class GraphRunner:
             self.copied[self.turn].record()
         self.tables[:bucket, :width].copy_(self._views(bucket, length, width, self.inputs)[-1])
 
-    def capture_around(self, bucket: int, length: int, verify: bool, before, after):
-        """A graph of the step with the caller's work on each side: `before(views)` writes the
-        step's per-row inputs into its buffer views (`_views`: ids, positions, KV indices, ...),
-        `after(logits, hidden, captured)` takes its float32 logits [bucket * length, vocab],
-        its hidden rows and those of the captured layers. Captured over padding sequences only
-        (the capture runs the step once), so it writes no sequence's caches; `prepare` then
-        fills a real step's buffers before each use."""
-        return self._capture(bucket, length, verify, before, after)[0]
+    def capture_around(self, bucket: int, length: int, verify: bool, before, after,
+                       rounds: int = 1):
+        """A graph of `rounds` steps in a row, each with the caller's work on its sides:
+        `before(views)` writes the step's per-row inputs into its buffer views (`_views`: ids,
+        positions, KV indices, ...), `after(logits, hidden, captured, r)` takes step r's
+        float32 logits [bucket * length, vocab], its hidden rows and those of the captured
+        layers. Captured over padding sequences only (the capture runs the steps once), so it
+        writes no sequence's caches; `prepare` then fills a real step's buffers before each
+        use."""
+        return self._capture(bucket, length, verify, before, after, rounds)[0]
 
-    def _capture(self, bucket: int, length: int, verify: bool, before=None, after=None):
+    def _capture(self, bucket: int, length: int, verify: bool, before=None, after=None,
+                 rounds: int = 1):
         rows = bucket * length
         ids, pos, kv_index, slots, q_start, q_len, ctx, _ = self._views(bucket, length, 1,
                                                                         self.inputs)
@@ -193,11 +198,14 @@ class GraphRunner:
         self._fill(None, bucket, length)
 
         def step():
-            if before is not None:
-                before(self._views(bucket, length, 1, self.inputs))
-            hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)
             if after is not None:
-                return after(self.model.logits(hidden), hidden, captured)
+                for r in range(rounds):
+                    before(self._views(bucket, length, 1, self.inputs))
+                    hidden, captured = self.model(static, self.kv, self.ssm,
+                                                  capture=self.capture_layers)
+                    after(self.model.logits(hidden), hidden, captured, r)
+                return
+            hidden, captured = self.model(static, self.kv, self.ssm, capture=self.capture_layers)
             self.out_hidden[:rows].copy_(hidden)
             for out, c in zip(self.out_captured, captured):
                 out[:rows].copy_(c)
