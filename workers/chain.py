@@ -253,12 +253,13 @@ class ChainRunner:
 
     def _capture(self, bucket: int, length: int, verify: bool) -> None:
         around = self._round(bucket, length, verify)   # kept: the graphs read its tensors
-        graphs = []
-        for rounds in sorted({1, self.max_rounds}):
+
+        def graph_of(rounds: int):
             self._reset(bucket)   # the capture runs the rounds once, over padding only
-            graphs.append(self.graphs.capture_around(bucket, length, verify, *around, rounds))
-        many = graphs[1] if len(graphs) > 1 else None
-        self.graphs_by_shape[(bucket, length, verify)] = (graphs[0], many, around)
+            return self.graphs.capture_around(bucket, length, verify, *around, rounds)
+        one = graph_of(1)
+        many = graph_of(self.max_rounds) if self.max_rounds > 1 else None
+        self.graphs_by_shape[(bucket, length, verify)] = (one, many, around)
 
     def _reset(self, bucket: int, start: int = 0) -> None:
         """Rows start.. of the bucket as padding: one token, nothing cached (padding rows
