@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 
 PRIOR_RATE = 0.5     # acceptance assumed at a draft position not yet measured...
 PRIOR_WEIGHT = 2.0   # ...worth this many observations
@@ -237,18 +237,22 @@ class DraftPolicy:
         only probes measure again, one round in up to PROBE_MOST. So a probe from k = 0 whose
         sequences accepted SURPRISE drafts more than the estimates expected is followed by
         another the next round, until the estimates agree or a k > 0 wins."""
-        drafted = [(min(proposed, self.max_drafts), acc) for proposed, acc in outcomes if proposed]
-        if self.zero_probe is not None and drafted:   # while 0 is the best, the probe's drafts
-            tokens = self._expected_tokens()
-            surprise = sum(acc - tokens[k] + 1 for k, acc in drafted) / len(drafted)
-            self.probes[self.zero_probe].again = surprise >= SURPRISE
-            self.zero_probe = None
+        counts = Counter(outcomes)   # a step holds few distinct pairs (a chain's 8 x 32 rounds)
+        if self.zero_probe is not None:   # while 0 is the best, the probe's drafts
+            drafted = [(min(proposed, self.max_drafts), acc, n)
+                       for (proposed, acc), n in counts.items() if proposed]
+            if drafted:
+                tokens = self._expected_tokens()
+                surprise = (sum((acc - tokens[k] + 1) * n for k, acc, n in drafted)
+                            / sum(n for _, _, n in drafted))
+                self.probes[self.zero_probe].again = surprise >= SURPRISE
+                self.zero_probe = None
         positions = self.max_drafts
         reached, took = [0] * (positions + 1), [0] * (positions + 1)   # by drafts tried, accepted
-        for proposed, acc in outcomes:
+        for (proposed, acc), n in counts.items():
             tried = min(proposed, acc + 1, positions)
-            reached[tried] += 1
-            took[min(acc, tried)] += 1
+            reached[tried] += n
+            took[min(acc, tried)] += n
         n = a = 0   # rounds that tried, and that accepted, position i: those reaching past it
         for i in range(positions - 1, -1, -1):
             n, a = n + reached[i + 1], a + took[i + 1]

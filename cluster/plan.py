@@ -68,7 +68,7 @@ class SeqOutcome:
         drafts it kept. A chain's rounds after its end ran for no one."""
         per_round = [self.accepted] if self.rounds is None else self.rounds
         drafts = self.proposed // len(per_round)
-        if taken is None:
+        if taken is None or taken >= sum(per_round) + len(per_round):   # it kept them all
             return drafts, per_round
         kept, emitted = [], 0
         for accepted in per_round:

@@ -436,7 +436,7 @@ class Scheduler:
         self.forget(plan)
         by_id = {s.seq_id: s for s in self.running}
         outcomes = {o.seq_id: o for o in result.outcomes}
-        touched = []
+        touched, kept = [], {}   # drafts a verify carried -> what each kept verify accepted
         for w in plan.work:
             seq = by_id.get(w.seq_id)
             if seq is None:                    # aborted while the step ran
@@ -452,13 +452,15 @@ class Scheduler:
             taken = self._append_tokens(seq, outcome.tokens)
             drafts, accepted = outcome.verifies(taken)   # what the sequence kept
             seq.spec.record(drafts, *accepted)
-            self.stats.record(drafts, *accepted)
+            kept.setdefault(drafts, []).extend(accepted)
             if seq.params.logprobs is not None and outcome.logprobs:
                 seq.logprobs.extend(TokenLogprob(token, lp.logprob, list(lp.top)) for token, lp
                                     in zip(outcome.tokens[:taken], outcome.logprobs))
             if not seq.finished:   # (one that ended published in _finish)
                 self._publish(seq)
             touched.append(seq)
+        for drafts, accepted in kept.items():
+            self.stats.record(drafts, *accepted)
         self._measure(plan, result, outcomes)
         self.updated_at = self.clock()
         return touched

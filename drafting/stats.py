@@ -26,12 +26,9 @@ class SpecStats:
             grow = [0] * (proposed - len(self.proposed_at))
             self.proposed_at += grow
             self.accepted_at += grow
-        ended = [0] * (proposed + 1)   # verifies by the drafts they accepted
-        for a in accepted:
-            ended[min(a, proposed)] += 1
         beyond = n   # verifies that accepted draft i: those that accepted more than i drafts
         for i in range(proposed):
-            beyond -= ended[i]
+            beyond -= accepted.count(i)
             self.proposed_at[i] += n
             self.accepted_at[i] += beyond
 

@@ -623,6 +623,7 @@ class Worker:
         the device began at the length and token the chain before ended with."""
         outcomes, ends, depth = [], {}, length - 1
         layered = self.proposer is not None and self.proposer.method in LAYER_DRAFTERS
+        every_round = []
         for i, w in enumerate(work):
             tokens, per_round = [], []
             for r in range(rounds):
@@ -631,13 +632,14 @@ class Worker:
                 per_round.append(accepted)
             context, pending = self._chain_end[w.seq_id] if resumed else (w.context_len, None)
             if record:
-                self.stats.record(depth, *per_round)
+                every_round += per_round
                 self.history.extend(w.slot, ([pending] if resumed else []) + tokens[:-1])
                 if layered:
                     self.proposer.after_chain(w.slot, context, len(tokens))
             ends[w.seq_id] = (context + len(tokens), tokens[-1])
             outcomes.append(SeqOutcome(w.seq_id, tokens, depth * rounds, sum(per_round),
                                        rounds=per_round))
+        self.stats.record(depth, *every_round)
         self._chain_end = ends
         return outcomes
 
