@@ -14,7 +14,8 @@ class IncrementalDetokenizer:
     def step(self, token_ids: list[int], final: bool = False) -> str:
         """New text for the completion `token_ids` so far; holds back an unfinished character
         (decoded as U+FFFD) until the token that completes it arrives, or `final` flushes it."""
-        before = self.tokenizer.decode(token_ids[self.prefix_offset:self.read_offset])
+        before = self.tokenizer.decode(token_ids[self.prefix_offset:self.read_offset]) \
+            if self.read_offset > self.prefix_offset else ""
         after = self.tokenizer.decode(token_ids[self.prefix_offset:])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""

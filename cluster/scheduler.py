@@ -637,7 +637,7 @@ class Scheduler:
         left = self._tokens_left(seq)
         tokens = tokens[:max(left, 1)]
         stops = p.stop_token_ids if p.ignore_eos else p.stop_token_ids + self.capacity.eos_token_ids
-        end = next((i for i, t in enumerate(tokens) if t in stops), None) if stops else None
+        end = min((tokens.index(t) for t in stops if t in tokens), default=None)
         if end is not None:   # the stop token's text is not part of the completion
             seq.output_ids.extend(tokens[:end + 1])
             seq.text += seq.detokenizer.step(seq.output_ids[:-1], final=True)
