@@ -589,7 +589,11 @@ class Scheduler:
         runs from planning to the end of this update, so it holds the host's work per step and
         per token (planning, transport, detokenising, stop checks) beside the worker's. A plan
         made ahead was planned while the one before ran: its time runs from that one's
-        update."""
+        update. A chain not planned ahead that has one planned ahead of it (the first after a
+        prefill on a graph worker: the device waited while the host laid it out and uploaded
+        its sequences) is not timed: that wait is paid once for its sequences whatever their
+        k, and counted per round it made the first chains' k look far dearer than it is, so a
+        smaller k won for the rest of the run (README, "The first chain's time")."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
@@ -600,7 +604,9 @@ class Scheduler:
             drafts, accepted = o.verifies() if o.rounds else (w.num_drafts, [o.accepted])
             verifies += [(drafts, a) for a in accepted]
         self.drafts.record_acceptance(verifies)
-        if plan.work and all(w.decodes and w.sample for w in plan.work):
+        refill = (all(w.steps > 1 and w.tokens[0] != AHEAD for w in plan.work)
+                  and any(w.seq_id in self.in_flight for w in plan.work))   # (forgotten above)
+        if plan.work and not refill and all(w.decodes and w.sample for w in plan.work):
             span = self.clock() - max(plan.planned_at, self.updated_at) if plan.planned_at else 0.0
             rounds = max((len(o.rounds) for _, o in done if o.rounds), default=1)   # a chain's
             self.drafts.record_cost(len(plan.work), sum(w.num_drafts for w in plan.work),

@@ -11,7 +11,7 @@ from conftest import PROMPTS
 from metrale.cluster.draft_policy import (DECAY, PROBE_EVERY, PROBE_MOST, DraftPolicy,
                                           StepCost)
 from metrale.cluster.params import SamplingParams
-from metrale.cluster.plan import SeqOutcome, StepResult, WorkerCapacity
+from metrale.cluster.plan import AHEAD, SeqOutcome, StepResult, WorkerCapacity
 from metrale.cluster.scheduler import Scheduler, SchedulerConfig
 from metrale.deploy.llm import LLM, load_tokenizer
 
@@ -297,6 +297,38 @@ def test_a_steps_time_runs_from_planning_to_the_end_of_its_update(checkpoint):
                                   0.001, 0.002))
     cost = s.drafts.costs[2][4]
     assert cost.samples == 1 and cost.propose_s == 0.001 and cost.forward_s >= 0.049
+
+
+def test_a_chain_that_refills_the_pipeline_is_not_timed(checkpoint):
+    """Where chains are planned ahead, the first chain after a prefill waits for the host to lay
+    it out; that wait is paid once for its sequences, so its time does not count per round
+    against its k. The chain planned ahead of it is timed from the first one's update. (On an
+    engine that plans nothing ahead every chain is timed:
+    test_a_prompt_of_one_token_is_not_chained.)"""
+    s = scheduler(checkpoint, (3, 3), chain_rounds=8, num_drafts=3)
+    now = [0.0]
+    s.clock = lambda: now[0]
+    for i in range(2):
+        s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=100, temperature=0,
+                                                         ignore_eos=True))
+    step(s)                                        # prefill: each has its first token
+    assert s.plans_ahead
+
+    def chain_result(plan):
+        return StepResult([SeqOutcome(w.seq_id, [7] * w.steps, w.num_drafts * w.steps, 0,
+                                      rounds=[0] * w.steps) for w in plan.work])
+    first = s.schedule()
+    now[0] += 1.0                                  # a slow refill
+    ahead = s.schedule()
+    assert first.work[0].steps > 1 and first.work[0].tokens[0] != AHEAD
+    assert ahead.work and all(w.tokens[0] == AHEAD for w in ahead.work)
+    s.update(first, chain_result(first))
+    assert not any(s.drafts.costs.values())        # the refill left no figure
+    now[0] += 0.008
+    s.update(ahead, chain_result(ahead))
+    k = ahead.work[0].num_drafts
+    (cost,) = [table[k] for table in s.drafts.costs.values() if k in table]
+    assert cost.forward_s == pytest.approx(0.008 / ahead.work[0].steps)
 
 
 @pytest.mark.parametrize("accepted, rounds", [(1.0, 3), (0.0, 8)])
