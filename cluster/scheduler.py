@@ -592,8 +592,8 @@ class Scheduler:
         update. A chain not planned ahead that has one planned ahead of it (the first after a
         prefill on a graph worker: the device waited while the host laid it out and uploaded
         its sequences) is not timed: that wait is paid once for its sequences whatever their
-        k, and counted per round it made the first chains' k look far dearer than it is, so a
-        smaller k won for the rest of the run (README, "The first chain's time")."""
+        k, and counted per round it makes that k look far dearer than chains planned ahead
+        measure it (README, "The first chain is no longer timed")."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:
@@ -604,8 +604,9 @@ class Scheduler:
             drafts, accepted = o.verifies() if o.rounds else (w.num_drafts, [o.accepted])
             verifies += [(drafts, a) for a in accepted]
         self.drafts.record_acceptance(verifies)
+        # (update forgot this plan: a sequence still in flight is in the chain planned ahead)
         refill = (all(w.steps > 1 and w.tokens[0] != AHEAD for w in plan.work)
-                  and any(w.seq_id in self.in_flight for w in plan.work))   # (forgotten above)
+                  and any(w.seq_id in self.in_flight for w in plan.work))
         if plan.work and not refill and all(w.decodes and w.sample for w in plan.work):
             span = self.clock() - max(plan.planned_at, self.updated_at) if plan.planned_at else 0.0
             rounds = max((len(o.rounds) for _, o in done if o.rounds), default=1)   # a chain's
