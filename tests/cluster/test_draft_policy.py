@@ -306,7 +306,7 @@ def test_a_chain_that_refills_the_pipeline_is_not_timed(checkpoint):
     engine that plans nothing ahead every chain is timed:
     test_a_prompt_of_one_token_is_not_chained.)"""
     s = scheduler(checkpoint, (3, 3), chain_rounds=8, num_drafts=3)
-    now = [0.0]
+    now = [10.0]
     s.clock = lambda: now[0]
     for i in range(2):
         s.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=100, temperature=0,
