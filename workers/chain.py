@@ -9,8 +9,9 @@ feeds a drafter the committed rows (`round_commit`: MTP's K/V and stash, DFlash'
 window) and appends the round's tokens to the history, all inside one graph over static
 buffers; a second graph holds `max_rounds` such rounds in a row. The host fills the buffers
 once per chain, replays the graphs (on an H100, 8 replays of a round's graph and their copies
-took 130-250 us of host time, one replay of 8 rounds 7-25 us: scripts/chainlaunch.py) and
-reads every round's tokens with one sync at the end (`Worker._execute_chain`). A chain planned before
+took 128-280 us of host time, one replay of 8 rounds 6-83 us, in two runs of
+scripts/chainlaunch.py) and reads every round's tokens with one sync at the end
+(`Worker._execute_chain`). A chain planned before
 the last one's result goes on from the buffers that one leaves (`ChainRunner.resume`), so the
 host fills nothing per sequence and launches it while the last one runs (`Worker._launch_chain`).
 """
