@@ -213,16 +213,24 @@ class DraftPolicy:
         return lo + (hi - lo) * (k - below) / (above - below)
 
     def _cost_table(self, bucket: int) -> dict[int, StepCost]:
-        """The bucket's measurements, or those of the nearest measured bucket until it has some
-        (a k's first round, its warm-up, is not a measurement)."""
-        own = {k: c for k, c in self.costs.get(bucket, {}).items() if c.samples}
-        if own:
-            return own
-        measured = [b for b, t in self.costs.items() if any(c.samples for c in t.values())]
-        if not measured:
-            return {}
+        """The bucket's measurements (a k's first round, its warm-up, is not one). A k it has
+        not measured takes the nearest larger bucket's figure for it: fewer sequences cost no
+        more, so that bounds it. Left to `step_seconds`, below the bucket's least measured k
+        time falls with the rows, and on a small model, whose round costs about the same
+        whatever its k, that made k = 0 look three times cheaper than k = 2: at the end of a
+        batch the last sequences then ran without drafts (README, "The end of a batch without
+        drafts"). A bucket with neither its own nor a larger bucket's figures takes those of
+        the nearest measured one."""
+        measured = {b: own for b, t in self.costs.items()
+                    if (own := {k: c for k, c in t.items() if c.samples})}
+        table = dict(measured.get(bucket, {}))
+        for larger in sorted(b for b in measured if b > bucket):
+            for k, cost in measured[larger].items():
+                table.setdefault(k, cost)
+        if table or not measured:
+            return table
         nearest = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
-        return {k: c for k, c in self.costs[nearest].items() if c.samples}
+        return measured[nearest]
 
     # -- measurements -------------------------------------------------------------------
 

@@ -378,3 +378,20 @@ def test_adaptive_greedy_output_equals_plain_decoding(checkpoint, dflash_drafter
     assert {0, 3} <= ks                         # the most first, then 0 once that was timed
     costs = [c for table in llm.scheduler.drafts.costs.values() for c in table.values()]
     assert costs and all(c.forward_s > 0 for c in costs)
+
+
+def test_a_k_a_small_batch_has_not_measured_is_bounded_by_a_larger_batchs_figure():
+    # At the end of a batch the last sequences run at small batch sizes that few rounds
+    # measured. The 33454ae bench (B = 32, n-gram@3) had k = 2 measured at batch 8 and k = 0
+    # at 32, both about 0.27 ms; batch 1 and 2 then chose k = 0 from k = 2's time by rows.
+    policy = DraftPolicy(3)
+    policy.tried, policy.accepted = [1e3] * 3, [0.6e3] * 3
+    for _ in range(3):
+        policy.record_cost(8, 16, 0.0, 0.000259)
+        policy.record_cost(32, 0, 0.0, 0.000274)
+    table = policy._cost_table(1)
+    assert table[0] is policy.costs[32][0] and table[2] is policy.costs[8][2]
+    assert policy.best(1) == 3   # k = 3 as if free beyond k = 2: the optimistic estimate
+    assert policy._cost_table(8)[0] is policy.costs[32][0]
+    assert policy._cost_table(64) == {0: policy.costs[32][0]}   # nothing larger: the nearest
+    assert policy.best(8) == 3
