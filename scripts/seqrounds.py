@@ -1,0 +1,78 @@
+"""Each sequence's rounds in one batch of the bench's prompts, against the rounds its own output
+needs at a fixed k: whether a run's slowest sequence was slow by its text or by the draft policy.
+
+    python3 scripts/seqrounds.py run OUT.json ngram@3 ngram=3    # on the GPU: fresh engine per method
+    python3 scripts/seqrounds.py replay OUT.json                   # anywhere: the fixed-k replay
+
+`run` decodes the bench's 32 bundled prompts (128 greedy tokens) three times per method, as
+gpubench's `--methods` names it, and keeps each sequence's output, rounds, rounds with drafts
+and drafts. `replay` drafts each sequence's output again with `ngram_drafts` (n-grams 1..4, k the
+method's most drafts every round) and counts the rounds it would take: greedy tokens are the same
+whatever the drafts, so that is what the sequence needs by its text at that k.
+"""
+import json
+import os
+import sys
+
+from metrale.deploy import gpubench as g
+from metrale.deploy.bundled import BUNDLED_MODEL
+from metrale.drafting.ngram import ngram_drafts
+
+BATCH, NEW_TOKENS, TURNS = 32, 128, 3
+
+
+def run(path: str, specs: list[str]) -> None:
+    from metrale.deploy.llm import LLM
+    prompts = g.bundled_prompts(BUNDLED_MODEL, BATCH, 256)
+    out = {"prompts": prompts, "runs": {}}
+    for spec in specs:
+        llm = LLM(str(BUNDLED_MODEL), device=os.environ.get("DEVICE", "cuda"), max_num_seqs=BATCH,
+                  kv_cache_bytes=g.kv_bytes_needed(str(BUNDLED_MODEL), "auto", BATCH,
+                                                   256 + NEW_TOKENS + g.MAX_VERIFY),
+                  max_num_batched_tokens=min(BATCH * (256 + g.MAX_VERIFY + 1), 16384),
+                  **g.method_options(spec))
+        for turn in range(TURNS):
+            ids = [llm.add_request(p, g.greedy(NEW_TOKENS), streamed=False) for p in prompts]
+            while llm.has_work:
+                llm.step()
+            seqs = [llm.scheduler.pop_finished(i)[0] for i in ids]
+            out["runs"][f"{spec}#{turn}"] = [
+                {"out": s.output_ids, "rounds": len(s.output_ids) - 1 - s.spec.drafts_accepted,
+                 "spec_rounds": s.spec.rounds, "proposed": s.spec.drafts_proposed,
+                 "accepted": s.spec.drafts_accepted} for s in seqs]
+        llm.close()
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def fixed_k_rounds(prompt: list[int], output: list[int], k: int) -> int:
+    """Rounds to emit output[1:] (output[0] comes from the prefill) drafting k tokens each round."""
+    done, rounds = min(1, len(output)), 0
+    while done < len(output):
+        drafts = ngram_drafts(prompt + output[:done], k, 1, 4)
+        taken = 0
+        while taken < len(drafts) and done + taken < len(output) and drafts[taken] == output[done + taken]:
+            taken += 1
+        done, rounds = done + taken + 1, rounds + 1
+    return rounds
+
+
+def replay(path: str) -> None:
+    with open(path) as f:
+        data = json.load(f)
+    for name, seqs in data["runs"].items():
+        k = g.method_options(name.split("#")[0])["num_drafts"] or 3
+        rows = sorted((s["rounds"], fixed_k_rounds(data["prompts"][i], s["out"], k),
+                       s["rounds"] - s["spec_rounds"], s["proposed"], i) for i, s in enumerate(seqs))
+        print(f"{name}: slowest {rows[-1][0]} rounds; at k = {k} every round its text needs "
+              f"{max(r[1] for r in rows)}")
+        for rounds, fixed, bare, drafts, i in rows[-6:]:
+            print(f"   sequence {i:2d}: {rounds:3d} rounds ({bare:2d} without drafts, {drafts:3d} "
+                  f"drafts), {fixed:3d} at k = {k}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run(sys.argv[2], sys.argv[3:])
+    else:
+        replay(sys.argv[2])
