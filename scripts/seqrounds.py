@@ -8,7 +8,10 @@ needs at a fixed k: whether a run's slowest sequence was slow by its text or by 
 gpubench's `--methods` names it, and keeps each sequence's output, rounds, rounds with drafts
 and drafts. `replay` drafts each sequence's output again with `ngram_drafts` (n-grams 1..4, k the
 method's most drafts every round) and counts the rounds it would take: greedy tokens are the same
-whatever the drafts, so that is what the sequence needs by its text at that k.
+whatever the drafts, so that is what the sequence needs by its text at that k. A round "without
+drafts" is one that carried none: k = 0 chosen by the policy, or (on the CPU, whose proposer
+drafts nothing without a match) no n-gram found; on a GPU the lookup pads a missing match with
+filler drafts, so there it means k = 0.
 """
 import json
 import os
@@ -51,7 +54,8 @@ def fixed_k_rounds(prompt: list[int], output: list[int], k: int) -> int:
     while done < len(output):
         drafts = ngram_drafts(prompt + output[:done], k, 1, 4)
         taken = 0
-        while taken < len(drafts) and done + taken < len(output) and drafts[taken] == output[done + taken]:
+        while (taken < len(drafts) and done + taken < len(output)
+               and drafts[taken] == output[done + taken]):
             taken += 1
         done, rounds = done + taken + 1, rounds + 1
     return rounds
