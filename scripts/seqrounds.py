@@ -1,7 +1,7 @@
 """Each sequence's rounds in one batch of the bench's prompts, against the rounds its own output
 needs at a fixed k: whether a run's slowest sequence was slow by its text or by the draft policy.
 
-    python3 scripts/seqrounds.py run OUT.json ngram@3 ngram=3    # on the GPU: fresh engine per method
+    python3 scripts/seqrounds.py run OUT.json ngram@3 ngram=3    # GPU: a fresh engine per method
     python3 scripts/seqrounds.py replay OUT.json                   # anywhere: the fixed-k replay
 
 `run` decodes the bench's 32 bundled prompts (128 greedy tokens) three times per method, as
@@ -67,7 +67,8 @@ def replay(path: str) -> None:
     for name, seqs in data["runs"].items():
         k = g.method_options(name.split("#")[0])["num_drafts"] or 3
         rows = sorted((s["rounds"], fixed_k_rounds(data["prompts"][i], s["out"], k),
-                       s["rounds"] - s["spec_rounds"], s["proposed"], i) for i, s in enumerate(seqs))
+                       s["rounds"] - s["spec_rounds"], s["proposed"], i)
+                      for i, s in enumerate(seqs))
         print(f"{name}: slowest {rows[-1][0]} rounds; at k = {k} every round its text needs "
               f"{max(r[1] for r in rows)}")
         for rounds, fixed, bare, drafts, i in rows[-6:]:
