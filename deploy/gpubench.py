@@ -332,6 +332,21 @@ def arrival_run(llm: LLM, prompts: list[list[int]], batch: int, lengths: list[in
             "arrival_ttft_p90_ms": waits[min(len(waits) - 1, len(waits) * 9 // 10)]}
 
 
+def method_engine(model_dir: str, spec: str, device: str, dtype: str, batch: int,
+                  prompt_len: int, new_tokens: int, drafter: str | None = None,
+                  **options) -> LLM:
+    """The engine the bench times for one `--methods` entry: up to `batch` sequences of
+    `prompt_len` + `new_tokens` tokens (scripts/seqrounds.py builds the same one)."""
+    chosen = method_options(spec)
+    return LLM(model_dir, device=device, dtype=dtype, max_num_seqs=batch,
+               kv_cache_bytes=kv_bytes_needed(model_dir, dtype, batch,
+                                              prompt_len + new_tokens + MAX_VERIFY),
+               # prefill in steps of at most 16K tokens bounds activation memory at batch 64
+               max_num_batched_tokens=min(batch * (prompt_len + MAX_VERIFY + 1), 16384),
+               drafter=drafter if chosen["speculative_method"] == "dflash" else None,
+               **chosen, **options)
+
+
 def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts, args,
                 options: dict) -> dict:
     """tokens/s per method per batch size. Every method's engine is built first; at each batch
@@ -344,18 +359,9 @@ def engine_runs(model_dir: str, drafter: str | None, methods: list[str], prompts
     top = max(args.batch_sizes)
     longest = (round(args.new_tokens * (1 + args.steady_spread))
                if args.steady_waves or args.arrival_rate else 0)
-    engines = {}
-    for spec in methods:
-        chosen = method_options(spec)
-        engines[spec] = LLM(
-            model_dir, device=args.device, dtype=args.dtype, max_num_seqs=top,
-            kv_cache_bytes=kv_bytes_needed(model_dir, args.dtype, top,
-                                           args.prompt_len + max(args.new_tokens, longest)
-                                           + MAX_VERIFY),
-            # prefill in steps of at most 16K tokens bounds activation memory at batch 64
-            max_num_batched_tokens=min(top * (args.prompt_len + MAX_VERIFY + 1), 16384),
-            drafter=drafter if chosen["speculative_method"] == "dflash" else None,
-            **chosen, **options)
+    engines = {spec: method_engine(model_dir, spec, args.device, args.dtype, top, args.prompt_len,
+                                   max(args.new_tokens, longest), drafter, **options)
+               for spec in methods}
     out: dict[str, dict] = {spec: {} for spec in methods}
     for b in args.batch_sizes:
         for llm in engines.values():

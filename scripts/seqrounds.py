@@ -18,22 +18,19 @@ import os
 import sys
 
 from metrale.deploy import gpubench as g
-from metrale.deploy.bundled import BUNDLED_MODEL
+from metrale.cluster.engine import DEFAULT_DRAFTS
+from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
 from metrale.drafting.ngram import ngram_drafts
 
-BATCH, NEW_TOKENS, TURNS = 32, 128, 3
+BATCH, PROMPT_LEN, NEW_TOKENS, TURNS = 32, 256, 128, 3
 
 
 def run(path: str, specs: list[str]) -> None:
-    from metrale.deploy.llm import LLM
-    prompts = g.bundled_prompts(BUNDLED_MODEL, BATCH, 256)
+    prompts = g.bundled_prompts(BUNDLED_MODEL, BATCH, PROMPT_LEN)
     out = {"prompts": prompts, "runs": {}}
     for spec in specs:
-        llm = LLM(str(BUNDLED_MODEL), device=os.environ.get("DEVICE", "cuda"), max_num_seqs=BATCH,
-                  kv_cache_bytes=g.kv_bytes_needed(str(BUNDLED_MODEL), "auto", BATCH,
-                                                   256 + NEW_TOKENS + g.MAX_VERIFY),
-                  max_num_batched_tokens=min(BATCH * (256 + g.MAX_VERIFY + 1), 16384),
-                  **g.method_options(spec))
+        llm = g.method_engine(str(BUNDLED_MODEL), spec, os.environ.get("DEVICE", "cuda"), "auto",
+                              BATCH, PROMPT_LEN, NEW_TOKENS, str(BUNDLED_DFLASH))
         for turn in range(TURNS):
             ids = [llm.add_request(p, g.greedy(NEW_TOKENS), streamed=False) for p in prompts]
             while llm.has_work:
@@ -65,7 +62,7 @@ def replay(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
     for name, seqs in data["runs"].items():
-        k = g.method_options(name.split("#")[0])["num_drafts"] or 3
+        k = g.method_options(name.split("#")[0])["num_drafts"] or DEFAULT_DRAFTS
         rows = sorted((s["rounds"], fixed_k_rounds(data["prompts"][i], s["out"], k),
                        s["rounds"] - s["spec_rounds"], s["proposed"], i)
                       for i, s in enumerate(seqs))
