@@ -279,9 +279,18 @@ class ChainRunner:
         tables = graphs.tables[:bucket]
         counts = torch.full((bucket,), depth, dtype=torch.long, device=history.device)
         step = {}
+        # n-gram rounds on a GPU pair their kernels up (kernels.ROUND_FUSED): the lookup with the
+        # rows' inputs, the verdicts with the land
+        paired = drafter is None and kernels.round_fused(history.device)
 
         def before(views):
             ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
+            step.update(ids=ids_in, slots=slots_in)
+            if depth and paired:   # the lookup writes the rows too
+                step["drafts"] = kernels.ngram_round_inputs(
+                    history, used, context, depth, self.min_n, self.max_n, tables, bs, ids_in,
+                    positions_in, kv_in, context_in)
+                return
             if not depth:   # a plain decode step
                 drafts = history[:, :0]
             elif drafter is None:
@@ -291,10 +300,15 @@ class ChainRunner:
                 drafts = drafter.round_drafts(slots_in, pending, context, seen, tables, depth)
             round_inputs(history, used, context, drafts.contiguous(), tables, bs, ids_in,
                          positions_in, kv_in, context_in)
-            step.update(ids=ids_in, drafts=drafts, slots=slots_in)
+            step["drafts"] = drafts
 
         def after(logits, hidden, captured, r):
             best = kernels.argmax_rows(logits)
+            landing = self.landing[r, :bucket]
+            if verify and paired:   # the verdicts' kernel lands the round too
+                graphs.ssm.commit_greedy_captured(step["ids"], best, counts, step["slots"],
+                                                  length, (history, used, context, landing))
+                return
             if verify:
                 accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
                                                              step["slots"], length)
@@ -303,6 +317,5 @@ class ChainRunner:
             if drafter is not None:   # the committed rows: pending token, accepted drafts
                 drafter.round_commit(best, context, accepted + 1, seen, step["slots"], tables,
                                      hidden, captured, length)
-            land(history, used, context, best.view(bucket, length), accepted,
-                 self.landing[r, :bucket])
+            land(history, used, context, best.view(bucket, length), accepted, landing)
         return before, after

@@ -139,13 +139,15 @@ class SSMSlotPool:
         return accepted
 
     def commit_greedy_captured(self, ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
-                               slots: torch.Tensor, length: int) -> torch.Tensor:
+                               slots: torch.Tensor, length: int, land: tuple | None = None
+                               ) -> torch.Tensor:
         """commit_greedy with its drafts and slots [n] already on the device, for a CUDA graph to
         hold (a chained round: workers.chain): the counting kernel, then the commit kernel over
-        the pairs it wrote. Returns the accepted counts [n]."""
+        the pairs it wrote. With `land`, the counting kernel also lands the round (see
+        kernels.greedy_accept). Returns the accepted counts [n]."""
         index = self.commit_index[:, :drafts.shape[0]]
         accepted = kernels.greedy_accept(ids, best, drafts, slots, self.offsets, index, length,
-                                         self.commit_pad)
+                                         self.commit_pad, land)
         kernels.commit_states(self.conv, self.state, self.verify_conv, self.verify_state, index)
         return accepted
 

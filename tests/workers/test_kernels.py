@@ -353,6 +353,60 @@ def test_a_chained_rounds_bookkeeping_kernels_match_its_tensor_ops(depth, monkey
     assert torch.equal(landing[:bucket, length], accepted)
 
 
+@pytest.mark.parametrize("depth", [1, 3, 7])
+def test_paired_bookkeeping_kernels_write_what_each_pair_writes(depth):
+    """A chained n-gram verify's paired launches (kernels.ROUND_FUSED): the lookup that writes
+    the round's rows writes the drafts, rows, positions, KV indices and cached lengths of
+    ngram_lookup then round_inputs; the verdicts that land the round write the counts, commit
+    pairs, histories, lengths and landing rows of greedy_accept then round_advance. Histories
+    of few distinct tokens (matches and filler both occur), in buffers wider than the bucket."""
+    gen = torch.Generator().manual_seed(depth)
+    bucket, width, bs, length = 6, 96, 4, depth + 1
+    history = torch.randint(0, 3, (bucket + 2, width), generator=gen)
+    history[0, :2] = torch.tensor([5, 6])   # a history of two distinct tokens: no match
+    used = torch.tensor([2, 3, 9, 20, 33, 60])
+    context = torch.tensor([1, 2, 7, 18, 30, 57])
+    tables = torch.randperm(60, generator=gen)[:40].view(2, 20).repeat(4, 1)[:bucket + 1].int()
+    history, used, context, tables = (t.to(DEVICE) for t in (history, used, context, tables))
+    outs = []
+    for paired in (True, False):
+        h, u, c = history.clone(), used.clone(), context.clone()
+        wide = torch.full((3 * (bucket + 1) * length,), -7, dtype=torch.long, device=DEVICE)
+        ids, pos, kv = (wide[i * bucket * length:(i + 1) * bucket * length] for i in range(3))
+        ctx = torch.full((bucket + 1,), -7, dtype=torch.int32, device=DEVICE)
+        if paired:
+            drafts = kernels.ngram_round_inputs(h[:bucket], u, c, depth, 1, 4, tables[:bucket],
+                                                bs, ids, pos, kv, ctx[:bucket])
+        else:
+            drafts = kernels.ngram_lookup(h[:bucket], u, depth, 1, 4)
+            kernels.round_inputs(h[:bucket], u, c, drafts, tables[:bucket], bs, ids, pos, kv,
+                                 ctx[:bucket])
+        best = ids.view(bucket, length).roll(-1, 1)   # each draft the argmax of the row before
+        best[1::2, depth // 2] += 1                 # but in odd sequences, one is not
+        best = best.flatten().contiguous()
+        slots = torch.tensor([3, 0, 5, 1, 4, 2], device=DEVICE)
+        offsets = torch.arange(6, device=DEVICE) * length
+        index = torch.full((2, bucket + 1), -1, dtype=torch.long, device=DEVICE)
+        landing = torch.full((bucket + 1, 17), -7, dtype=torch.long, device=DEVICE)
+        counts = torch.full((bucket,), depth, dtype=torch.long, device=DEVICE)
+        land = (h[:bucket], u, c, landing[:bucket])
+        if paired:
+            accepted = kernels.greedy_accept(ids, best, counts, slots, offsets, index[:, :bucket],
+                                             length, (6, 99), land)
+        else:
+            accepted = kernels.greedy_accept(ids, best, counts, slots, offsets, index[:, :bucket],
+                                             length, (6, 99))
+            kernels.round_advance(*land[:3], best.view(bucket, length), accepted, land[3])
+        outs.append((drafts, wide, ctx, accepted, index, h, u, c, landing))
+    for got, want in zip(*outs):
+        assert torch.equal(got, want)
+    drafts, wide, ctx, accepted, index, h, u, c, landing = outs[1]
+    assert drafts[0].eq(6).all()   # no match: filler, the last token
+    assert accepted[0::2].eq(depth).all() and accepted[1::2].eq(depth // 2).all()
+    assert torch.equal(u, used + accepted + 1) and torch.equal(landing[:bucket, length], accepted)
+    assert wide[3 * bucket * length:].eq(-7).all() and ctx[bucket] == -7 and index[0, -1] == -1
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels: CUDA only")
 def test_greedy_accept_compiles_at_start_up_not_in_a_round():
     """capture_commits compiles the counting kernel for every verify length up to its
@@ -362,7 +416,7 @@ def test_greedy_accept_compiles_at_start_up_not_in_a_round():
     pool.capture_commits([1, 2, 4, 8], spare_slot=8, max_length=9)
     compiled = _compiled(kernels._greedy_accept_kernel)
     before = len(compiled)
-    assert before == 4   # L_PAD 1, 2, 4 and 8
+    assert before >= 4   # L_PAD 1, 2, 4 and 8 (and those a chained round's landing compiled)
     for length in range(2, 10):
         for n in (1, 3, 8):
             ids = torch.zeros(n * length, dtype=torch.long, device=DEVICE)
@@ -415,13 +469,17 @@ def verify_offsets(slot_ids, n_slots, length, first):
     return offsets, offsets[slot_ids][:, None] + torch.arange(length, device=DEVICE)[None, :]
 
 
-@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("one_pass,normed", [(True, False), (False, False), (True, True),
+                                             (False, True)])
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("hk,hv,dim", [(2, 4, 32), (4, 4, 64)])
-def test_gated_delta_rule(keep, hk, hv, dim, one_pass, monkeypatch):
+def test_gated_delta_rule(keep, hk, hv, dim, one_pass, normed, monkeypatch):
     """The recurrence with its gates computed from the raw projections, reading q, k, v, a, b as
     views of one wider row, as the layer passes them; each row's output read after the state's
-    update, or (one_pass) from the state before it."""
+    update, or (one_pass) from the state before it. `normed`: the outputs through the layer's
+    GatedRMSNorm with a gate read as a view of wider rows, in the recurrence's kernel for heads of
+    32 (one program a head) and after it for heads of 64."""
+    from metrale.workers.models.layers import GatedRMSNorm
     monkeypatch.setattr(kernels, "DELTA_ONE_PASS_KEYS", dim if one_pass else 0)
     g_ = torch.Generator(DEVICE).manual_seed(hk + dim + keep)
     n_seq, length, slots = 3, 5, 6
@@ -445,8 +503,16 @@ def test_gated_delta_rule(keep, hk, hv, dim, one_pass, monkeypatch):
     offsets, _ = verify_offsets(slot_ids, slots, length, 2)
     pool = (torch.full((n_seq * length + 2, hv, dim, dim), float("nan"), device=DEVICE) if keep
             else None)
+    norm, gate = None, None
+    if normed:
+        norm = GatedRMSNorm(dim, 1e-6).to(DEVICE)
+        with torch.no_grad():
+            norm.weight.copy_(rand(dim))
+        gate = rand(n_seq, length, hv * dim + 5)[..., 5:].unflatten(-1, (hv, dim))
+        ref_out = norm(ref_out, gate)
     out = kernels.gated_delta_rule(q, k, v, a, b, a_log, dt_bias, state, slot_ids, pool,
-                                   offsets if keep else None)
+                                   offsets if keep else None, gate,
+                                   norm.weight if normed else None, 1e-6)
     assert rel_err(out, ref_out) < 1e-4
     if keep:
         assert torch.equal(state, before)

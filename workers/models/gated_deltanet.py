@@ -118,21 +118,20 @@ class GatedDeltaNet(nn.Module):
                               self.in_proj_a(x))
         pool.check_verify(batch.seqs)
         mix = self._mix_on_gpu if batch.backend == "triton" else self._mix
+        z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         parts = []
         for rows, slots, length, verify in _groups(batch, x.device):
             out = mix(_take(mixed, rows, length), _take(a, rows, length), _take(b, rows, length),
-                      slots, pool, verify)
-            parts.append((rows, out.to(x.dtype)))
-        core = _join(parts, n_rows)
-        z = z.reshape(n_rows, self.num_v_heads, self.head_v_dim)
-        out = self.norm.fused(core, z) if batch.backend == "triton" else self.norm(core, z)
-        return self.out_proj(out.reshape(n_rows, self.value_dim))
+                      _take(z, rows, length), slots, pool, verify)
+            parts.append((rows, out))
+        return self.out_proj(_join(parts, n_rows).reshape(n_rows, self.value_dim))
 
-    def _mix(self, mixed, a, b, slots, pool, verify: bool):
-        """The torch reference over B sequences of L rows each: mixed [B, L, conv_dim] and the
-        gates' projections a, b [B, L, value_heads]. Updates their slots in place, or with
-        `verify` writes the state after each row into the slots' verify-pool entries 0..L-1.
-        Returns [B, L, value_heads, dv] in float32."""
+    def _mix(self, mixed, a, b, z, slots, pool, verify: bool):
+        """The torch reference over B sequences of L rows each: mixed [B, L, conv_dim], the
+        gates' projections a, b [B, L, value_heads] and the output gate z [B, L, value_heads, dv].
+        Updates their slots in place, or with `verify` writes the state after each row into the
+        slots' verify-pool entries 0..L-1. Returns the normed, gated outputs [B, L, value_heads,
+        dv] in z's dtype."""
         layer, length = self.pool_index, mixed.shape[1]
         entries = pool.entries(slots, length) if verify else None
         conv = causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
@@ -148,13 +147,12 @@ class GatedDeltaNet(nn.Module):
             pool.verify_state[layer, entries] = states
         else:
             pool.state[layer, slots] = state
-        return out
+        return self.norm(out.to(z.dtype), z)
 
-    def _mix_on_gpu(self, mixed, a, b, slots, pool, verify: bool):
+    def _mix_on_gpu(self, mixed, a, b, z, slots, pool, verify: bool):
         """The same in Triton, reading and writing the pool in place: the conv, then the
-        recurrence with its gates; long chunks without a verify (see fla_chunked) go to
-        flash-linear-attention's chunked kernel when it is installed. Returns
-        [B, L, value_heads, dv] in mixed's dtype."""
+        recurrence with its gates and the norm; long chunks without a verify (see fla_chunked)
+        go to flash-linear-attention's chunked kernel when it is installed."""
         layer, length = self.pool_index, mixed.shape[1]
         offsets = pool.offsets if verify else None
         conv = kernels.causal_conv1d_update(mixed, self.conv1d.weight, pool.conv[layer], slots,
@@ -164,7 +162,8 @@ class GatedDeltaNet(nn.Module):
         if chunk is None:
             return kernels.gated_delta_rule(q, k, v, a, b, self.A_log, self.dt_bias,
                                             pool.state[layer], slots,
-                                            pool.verify_state[layer] if verify else None, offsets)
+                                            pool.verify_state[layer] if verify else None, offsets,
+                                            z, self.norm.weight, self.norm.eps)
         g, beta = gates(a, b, self.A_log, self.dt_bias)
         rep = self.num_v_heads // self.num_k_heads
         # As one variable-length sequence of all B chunks, so the autotuner's key (which holds
@@ -179,7 +178,7 @@ class GatedDeltaNet(nn.Module):
                            output_final_state=True, use_qk_l2norm_in_kernel=True,
                            cu_seqlens=ends, chunk_indices=index, chunk_size=FLA_CHUNK)
         pool.state[layer, slots] = state
-        return out.view(n, length, *out.shape[2:])
+        return self.norm.fused(out.to(z.dtype).flatten(0, 1), z.flatten(0, 1)).view(z.shape)
 
     def _heads(self, conv: torch.Tensor):
         """q, k [B, L, key_heads, dk] and v [B, L, value_heads, dv]: views of the conv output."""

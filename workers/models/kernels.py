@@ -42,11 +42,18 @@ PDL = True   # programmatic dependent launch where the GPU has it (False: off, f
 FEW = True   # few_rows for a verify's projections (False: F.linear, for A/B runs)
 CHAIN = True  # a chained round's n-gram lookup and bookkeeping in one launch each (False: the
               # tensor ops they replace, for A/B runs)
+ROUND_FUSED = True   # with CHAIN, a chained n-gram verify's lookup with its rows, and its
+                     # verdicts with its land, in one launch each (False: two each, for A/B)
 
 
 def chain_kernels(device: torch.device) -> bool:
     """Whether a chained round's lookup and bookkeeping run as the kernels here on `device`."""
     return CHAIN and runs_on(device)
+
+
+def round_fused(device: torch.device) -> bool:
+    """Whether a chained round's kernels on `device` pair up (ROUND_FUSED)."""
+    return ROUND_FUSED and chain_kernels(device)
 
 
 @functools.cache
@@ -244,16 +251,36 @@ if triton is not None:
     # k or batch is a constexpr or specialised (a pointer's alignment included: the slots follow
     # n drafts in one buffer), so the kernel compiles per L_PAD alone, at start-up
     # (SSMSlotPool.capture_commits), never inside a round.
+    @triton.jit
+    def _land(hist_ptr, used_ptr, ctx_ptr, best_ptr, landing_ptr, s, accepted, stride_h,
+              stride_l, length, L_PAD: tl.constexpr):
+        """Sequence s's round appended to its history (see round_advance)."""
+        used = tl.load(used_ptr + s)
+        j = tl.arange(0, L_PAD)
+        ok = j < length
+        best = tl.load(best_ptr + s * length + j, mask=ok, other=0)
+        tl.store(hist_ptr + s.to(tl.int64) * stride_h + used + j, best, mask=ok)
+        tl.store(landing_ptr + s * stride_l + j, best, mask=ok)
+        tl.store(landing_ptr + s * stride_l + length, accepted)
+        tl.store(used_ptr + s, used + accepted + 1)
+        tl.store(ctx_ptr + s, tl.load(ctx_ptr + s) + accepted + 1)
+
     @triton.jit(do_not_specialize=["ids_ptr", "best_ptr", "drafts_ptr", "slots_ptr",
                                    "offsets_ptr", "index_ptr", "accepted_ptr", "index_stride",
-                                   "n", "pad_slot", "pad_entry", "length"])
+                                   "n", "pad_slot", "pad_entry", "length", "hist_ptr",
+                                   "used_ptr", "ctx_ptr", "landing_ptr", "stride_h",
+                                   "stride_l"])
     def _greedy_accept_kernel(ids_ptr, best_ptr, drafts_ptr, slots_ptr, offsets_ptr, index_ptr,
                               accepted_ptr, index_stride, n, pad_slot, pad_entry, length,
-                              L_PAD: tl.constexpr, PDL: tl.constexpr):
+                              hist_ptr, used_ptr, ctx_ptr, landing_ptr, stride_h, stride_l,
+                              L_PAD: tl.constexpr, LAND: tl.constexpr, ROWS_PAD: tl.constexpr,
+                              PDL: tl.constexpr):
         """Program i < n: sequence i's rows i*length.. hold its pending token and drafts; it
         accepts drafts while draft j (row j + 1) is the argmax of row j, among its first
         drafts[i] (rows after them are filler). Writes the count, and the commit's pair (slot,
-        its verify entry after the accepted drafts). Programs i >= n write the padding pair."""
+        its verify entry after the accepted drafts); with LAND it also appends the round to the
+        sequence's history as round_advance does (one launch for both in a chained round).
+        Programs i >= n write the padding pair."""
         _after_previous(PDL)
         i = tl.program_id(0)
         if i < n:
@@ -267,6 +294,9 @@ if triton is not None:
             tl.store(accepted_ptr + i, accepted)
             tl.store(index_ptr + i, slot)
             tl.store(index_ptr + index_stride + i, tl.load(offsets_ptr + slot) + accepted)
+            if LAND:
+                _land(hist_ptr, used_ptr, ctx_ptr, best_ptr, landing_ptr, i, accepted,
+                      stride_h, stride_l, length, ROWS_PAD)
         else:
             tl.store(index_ptr + i, pad_slot)
             tl.store(index_ptr + index_stride + i, pad_entry)
@@ -293,8 +323,27 @@ if triton is not None:
         sequence's last n; the best (n, e) is the one with the largest n * width + e."""
         _after_previous(PDL)
         s = tl.program_id(0)
+        j = tl.arange(0, D_PAD)
+        drafts = _ngram_drafts(hist_ptr, len_ptr, stride_h, width, s, j, num_drafts, MIN_N,
+                               MAX_N, BLOCK)
+        tl.store(out_ptr + s * num_drafts + j, drafts, mask=j < num_drafts)
+
+    @triton.jit
+    def _ngram_drafts(hist_ptr, len_ptr, stride_h, width, s, d, num_drafts,
+                      MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK: tl.constexpr):
+        """Sequence s's draft d, for each d: the token after the match, else (no match, no
+        token there, d < 0) the sequence's last token as filler."""
         row = hist_ptr + s.to(tl.int64) * stride_h
         last = tl.load(len_ptr + s).to(tl.int32) - 1
+        at = _ngram_match(row, last, width, MIN_N, MAX_N, BLOCK) + d
+        real = (d >= 0) & (at >= d) & (at <= last) & (d < num_drafts)   # at >= d: a match
+        return tl.where(real, tl.load(row + at, mask=real, other=0), tl.load(row + last))
+
+    @triton.jit
+    def _ngram_match(row, last, width, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """The column where the drafts of the history at `row` (its last token at column
+        `last`) begin, -1 without a match: the scan of _ngram_lookup_kernel."""
         best = tl.full([], -1, tl.int32)
         for start in range(0, last, BLOCK):
             e = start + tl.arange(0, BLOCK)
@@ -307,13 +356,41 @@ if triton is not None:
                 if n >= MIN_N:   # (e < last and e >= n - 1: the last n tokens exist)
                     score = tl.where(agree, n * width + e, score)
             best = tl.maximum(best, tl.max(score, 0))
-        found = tl.where(best >= 0, best % width + 1, -1)   # where the drafts begin
-        j = tl.arange(0, D_PAD)
-        at = found + j
-        real = (at >= j) & (at <= last) & (j < num_drafts)   # (at >= j: a match was found)
-        drafts = tl.load(row + at, mask=real, other=0)
-        filler = tl.load(row + last)
-        tl.store(out_ptr + s * num_drafts + j, tl.where(real, drafts, filler), mask=j < num_drafts)
+        return tl.where(best >= 0, best % width + 1, -1)
+
+    @triton.jit(do_not_specialize=["hist_ptr", "used_ptr", "ctx_ptr", "tables_ptr", "ids_ptr",
+                                   "pos_ptr", "kv_ptr", "ctx_out_ptr", "drafts_ptr", "stride_h",
+                                   "stride_t", "width"])
+    def _ngram_round_kernel(hist_ptr, used_ptr, ctx_ptr, tables_ptr, ids_ptr, pos_ptr, kv_ptr,
+                            ctx_out_ptr, drafts_ptr, stride_h, stride_t, width, length,
+                            MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK: tl.constexpr,
+                            PAGE: tl.constexpr, L_PAD: tl.constexpr, PDL: tl.constexpr):
+        """Program s: sequence s's n-gram drafts (as _ngram_lookup_kernel finds them) and its
+        round's rows (as _round_inputs_kernel writes them) in one launch: row j > 0 holds draft
+        j - 1, row 0 the pending token, the history's last."""
+        _after_previous(PDL)
+        s = tl.program_id(0)
+        j = tl.arange(0, L_PAD)
+        token = _ngram_drafts(hist_ptr, used_ptr, stride_h, width, s, j - 1, length - 1, MIN_N,
+                              MAX_N, BLOCK)
+        ok = j < length
+        tl.store(drafts_ptr + s * (length - 1) + j - 1, token, mask=ok & (j >= 1))
+        _round_rows(s, token, j, ok, tl.load(ctx_ptr + s), tables_ptr, stride_t, ids_ptr,
+                    pos_ptr, kv_ptr, ctx_out_ptr, length, PAGE)
+
+    @triton.jit
+    def _round_rows(s, token, j, ok, context, tables_ptr, stride_t, ids_ptr, pos_ptr, kv_ptr,
+                    ctx_out_ptr, length, PAGE: tl.constexpr):
+        """Sequence s's rows j of a round: their tokens at positions context + j, whose KV
+        indices go through its block table."""
+        position = context + j
+        page = tl.load(tables_ptr + s.to(tl.int64) * stride_t + position // PAGE, mask=ok,
+                       other=0).to(tl.int64)
+        row = s * length + j
+        tl.store(ids_ptr + row, token, mask=ok)
+        tl.store(pos_ptr + row, position, mask=ok)
+        tl.store(kv_ptr + row, page * PAGE + position % PAGE, mask=ok)
+        tl.store(ctx_out_ptr + s, context)
 
     @triton.jit(do_not_specialize=["hist_ptr", "used_ptr", "ctx_ptr", "drafts_ptr",
                                    "tables_ptr", "ids_ptr", "pos_ptr", "kv_ptr", "ctx_out_ptr",
@@ -330,14 +407,8 @@ if triton is not None:
         j = tl.arange(0, L_PAD)
         ok = j < length
         draft = tl.load(drafts_ptr + s * (length - 1) + j - 1, mask=ok & (j >= 1), other=0)
-        position = context + j
-        page = tl.load(tables_ptr + s.to(tl.int64) * stride_t + position // PAGE, mask=ok,
-                       other=0).to(tl.int64)
-        row = s * length + j
-        tl.store(ids_ptr + row, tl.where(j == 0, pending, draft), mask=ok)
-        tl.store(pos_ptr + row, position, mask=ok)
-        tl.store(kv_ptr + row, page * PAGE + position % PAGE, mask=ok)
-        tl.store(ctx_out_ptr + s, context)
+        _round_rows(s, tl.where(j == 0, pending, draft), j, ok, context, tables_ptr, stride_t,
+                    ids_ptr, pos_ptr, kv_ptr, ctx_out_ptr, length, PAGE)
 
     @triton.jit(do_not_specialize=["hist_ptr", "used_ptr", "ctx_ptr", "best_ptr",
                                    "accepted_ptr", "landing_ptr", "stride_h", "stride_l"])
@@ -347,16 +418,8 @@ if triton is not None:
         """Program s: appends sequence s's round to its history (see round_advance)."""
         _after_previous(PDL)
         s = tl.program_id(0)
-        used = tl.load(used_ptr + s)
-        accepted = tl.load(accepted_ptr + s)
-        j = tl.arange(0, L_PAD)
-        ok = j < length
-        best = tl.load(best_ptr + s * length + j, mask=ok, other=0)
-        tl.store(hist_ptr + s.to(tl.int64) * stride_h + used + j, best, mask=ok)
-        tl.store(landing_ptr + s * stride_l + j, best, mask=ok)
-        tl.store(landing_ptr + s * stride_l + length, accepted)
-        tl.store(used_ptr + s, used + accepted + 1)
-        tl.store(ctx_ptr + s, tl.load(ctx_ptr + s) + accepted + 1)
+        _land(hist_ptr, used_ptr, ctx_ptr, best_ptr, landing_ptr, s, tl.load(accepted_ptr + s),
+              stride_h, stride_l, length, L_PAD)
 
     @triton.jit
     def _commit_states_kernel(conv_ptr, state_ptr, vconv_ptr, vstate_ptr, index_ptr,
@@ -405,10 +468,11 @@ if triton is not None:
     @triton.jit
     def _gated_delta_kernel(
             q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr,
-            slots_ptr, keep_ptr, offsets_ptr, length, scale, stride_q, stride_k, stride_v,
-            stride_a, stride_b,
+            slots_ptr, keep_ptr, offsets_ptr, gate_ptr, norm_ptr, length, scale, eps, stride_q,
+            stride_k, stride_v, stride_a, stride_b, stride_g,
             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-            BV: tl.constexpr, KEEP: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+            BV: tl.constexpr, KEEP: tl.constexpr, ONE_PASS: tl.constexpr, NORM: tl.constexpr,
+            PDL: tl.constexpr):
         """One program: BV value columns of one value head of one sequence, token by token in
         float32. Row r of q, k, v, a and b starts at r times its stride. The gates come from the
         raw projections a and b (see _gates). The state starts from the sequence's slot; with KEEP
@@ -417,7 +481,9 @@ if triton is not None:
         computed (the last row's twice), so the rows wait on the recurrence alone. With
         ONE_PASS a row's output comes from the decayed state before its update, read with k in
         one pass: S q + delta (k . q), which is S' q for S' = S + k delta^T, so a row waits on
-        one sum over the keys instead of two in turn."""
+        one sum over the keys instead of two in turn. With NORM (a program holds the whole head,
+        BV = DV) each output row is the layer's GatedRMSNorm of it with the gate's row, as
+        _gated_rms_norm_kernel computes it, so the layer needs no kernel of its own for that."""
         _after_previous(PDL)
         seq, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = hv // (HV // HK)
@@ -428,6 +494,9 @@ if triton is not None:
         state = tl.load(state_ptr + slot * HV * DK * DV + cell)
         decay = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        if NORM:
+            weight = tl.load(norm_ptr + dv).to(tl.float32)
         q_next, k_next, v_next, a_next, b_next = _delta_inputs(
             q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, seq * length, stride_q, stride_k, stride_v,
             stride_a, stride_b, hk, hv, dk, dv, DK, DV)
@@ -451,7 +520,13 @@ if triton is not None:
                 delta = (v - tl.sum(state * k[:, None], 0)) * beta
                 state = state + k[:, None] * delta[None, :]
                 out = tl.sum(state * q[:, None], 0)
-            tl.store(out_ptr + (r * HV + hv) * DV + dv, out.to(out_ptr.dtype.element_ty))
+            if NORM:   # the norm rounds where GatedRMSNorm does (see _gated_rms_norm_kernel)
+                out = out.to(dtype).to(tl.float32)
+                normed = (out * tl.rsqrt(tl.sum(out * out) / DV + eps)).to(dtype)
+                out = (weight * normed.to(tl.float32)).to(dtype).to(tl.float32)
+                gate = tl.load(gate_ptr + r * stride_g + hv * DV + dv).to(tl.float32)
+                out = out * (gate / (1.0 + tl.exp(-gate)))
+            tl.store(out_ptr + (r * HV + hv) * DV + dv, out.to(dtype))
             if KEEP:
                 entry = tl.load(offsets_ptr + slot) + t
                 tl.store(keep_ptr + entry * HV * DK * DV + cell, state)
@@ -905,6 +980,23 @@ def ngram_lookup(history: torch.Tensor, lengths: torch.Tensor, num_drafts: int, 
     return out
 
 
+def ngram_round_inputs(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor,
+                       num_drafts: int, min_n: int, max_n: int, tables: torch.Tensor,
+                       block_size: int, ids: torch.Tensor, positions: torch.Tensor,
+                       kv_index: torch.Tensor, context_in: torch.Tensor) -> torch.Tensor:
+    """ngram_lookup then round_inputs over its drafts, in one launch. Returns the drafts [S,
+    num_drafts] (num_drafts >= 1)."""
+    rows, length = used.shape[0], num_drafts + 1
+    assert num_drafts >= 1 and history.stride(1) == 1 and tables.stride(1) == 1
+    assert used.is_contiguous() and context.is_contiguous()
+    drafts = torch.empty(rows, num_drafts, dtype=torch.long, device=history.device)
+    _ngram_round_kernel[(rows,)](history, used, context, tables, ids, positions, kv_index,
+                                 context_in, drafts, history.stride(0), tables.stride(0),
+                                 history.shape[1], length, MIN_N=min_n, MAX_N=max_n, BLOCK=256,
+                                 PAGE=block_size, L_PAD=_pow2(length), **_pdl(), num_warps=4)
+    return drafts
+
+
 def round_inputs(history: torch.Tensor, used: torch.Tensor, context: torch.Tensor,
                  drafts: torch.Tensor, tables: torch.Tensor, block_size: int, ids: torch.Tensor,
                  positions: torch.Tensor, kv_index: torch.Tensor, context_in: torch.Tensor) -> None:
@@ -936,17 +1028,25 @@ def round_advance(history: torch.Tensor, used: torch.Tensor, context: torch.Tens
 
 def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
                   slots: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor,
-                  length: int, pad: tuple[int, int]) -> torch.Tensor:
+                  length: int, pad: tuple[int, int], land: tuple | None = None) -> torch.Tensor:
     """Greedy verdicts on the device, for a verify of n = len(drafts) sequences of `length` rows
     each: ids, best [n * length] the rows' input tokens and argmaxes; drafts [n] the real drafts
     per sequence; slots [n] their SSM slots and offsets the pool's first entry per slot. Returns
     the drafts each accepted [n] (what greedy_verdict finds), and writes the commit's pairs
-    into index [2, >= n] (slot, entry): columns n.. of it get `pad` (slot, entry)."""
+    into index [2, >= n] (slot, entry): columns n.. of it get `pad` (slot, entry). With `land`
+    (history, used, context, landing) the same launch does round_advance's work with best as
+    [n, length] and the counts (a chained round's verify)."""
     n, pairs = drafts.shape[0], index.shape[1]
     accepted = torch.empty(n, dtype=torch.long, device=ids.device)
+    history, used, context, landing = land if land is not None else (ids,) * 4
+    if land is not None:
+        assert history.stride(1) == 1 and landing.stride(1) == 1 and best.is_contiguous()
     _greedy_accept_kernel[(pairs,)](ids, best, drafts, slots, offsets, index, accepted,
-                                    index.stride(0), n, pad[0], pad[1], length,
-                                    L_PAD=_pow2(max(length - 1, 1)), **_pdl(), num_warps=1)
+                                    index.stride(0), n, pad[0], pad[1], length, history, used,
+                                    context, landing, history.stride(0), landing.stride(0),
+                                    L_PAD=_pow2(max(length - 1, 1)), LAND=land is not None,
+                                    ROWS_PAD=_pow2(length) if land is not None else 1,
+                                    **_pdl(), num_warps=1)
     return accepted
 
 
@@ -960,19 +1060,25 @@ DELTA_BV, DELTA_WARPS = 32, 1
 # of 8 rows of the bundled model's heads of 32 from 6.6 to 4.8 us (1.06x at 32 sequences); on
 # heads of 128 it gained nothing (0.95-1.02x). 0: never, for A/B runs
 DELTA_ONE_PASS_KEYS = 32
+# The layer's GatedRMSNorm inside the recurrence's kernel where one program holds a whole head:
+# one launch a layer fewer. False: its own kernel after it, for A/B runs
+DELTA_NORM = True
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                      b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                      state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None = None,
-                     offsets: torch.Tensor | None = None) -> torch.Tensor:
+                     offsets: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                     norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """The recurrence over B sequences of L rows: q, k [B, L, key_heads, dk] (not yet
     normalised), v [B, L, value_heads, dv], and the gates' projections a, b [B, L, value_heads]
     with the layer's A_log and dt_bias [value_heads]; all may be views of wider rows. `state` is
     one layer's slot states [slots, value_heads, dk, dv] (float32), read at `slots` [B]; without
     `keep` they are updated in place, with it the state after row t goes to
-    keep[offsets[slots[b]] + t] (a verify pool laid out per slot). Returns the outputs
-    [B, L, value_heads, dv] in v's dtype."""
+    keep[offsets[slots[b]] + t] (a verify pool laid out per slot). With a `gate` [B, L,
+    value_heads, dv] (rows may be strided) the outputs go through the layer's GatedRMSNorm
+    (`norm_weight`, `eps`): in this kernel where a program holds a whole head (dv <= DELTA_BV and
+    DELTA_NORM), else in gated_rms_norm after it. Returns [B, L, value_heads, dv] in v's dtype."""
     n_seq, length, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     assert dk == _pow2(dk) and dv == _pow2(dv) and hv % hk == 0, "power-of-two head dims"
@@ -981,14 +1087,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
         return out
     q, k, v, a, b = (_flat_rows(x) for x in (q, k, v, a, b))
     bv = min(dv, DELTA_BV)
+    fused = gate is not None and bv == dv and DELTA_NORM
+    g = _flat_rows(gate) if fused else q
     _gated_delta_kernel[(n_seq, hv, dv // bv)](
         q, k, v, a, b, a_log, dt_bias, out, state, slots, keep if keep is not None else state,
-        offsets if offsets is not None else slots, length, dk ** -0.5,
-        q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
-        HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None,
-        ONE_PASS=dk <= DELTA_ONE_PASS_KEYS, **_pdl(),
-        num_warps=DELTA_WARPS)
-    return out
+        offsets if offsets is not None else slots, g, norm_weight if fused else a_log, length,
+        dk ** -0.5, eps, q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0),
+        g.stride(0), HK=hk, HV=hv, DK=dk, DV=dv, BV=bv, KEEP=keep is not None,
+        ONE_PASS=dk <= DELTA_ONE_PASS_KEYS, NORM=fused, **_pdl(), num_warps=DELTA_WARPS)
+    if gate is None or fused:
+        return out
+    rows = n_seq * length
+    return gated_rms_norm(out.view(rows, hv, dv), _flat_rows(gate).unflatten(1, (hv, dv)),
+                          norm_weight, eps).view(n_seq, length, hv, dv)
 
 
 def _flat_rows(x: torch.Tensor) -> torch.Tensor:
