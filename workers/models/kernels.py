@@ -247,10 +247,6 @@ if triton is not None:
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
-    # Launched each greedy round outside the graphs: no argument that changes with the round's
-    # k or batch is a constexpr or specialised (a pointer's alignment included: the slots follow
-    # n drafts in one buffer), so the kernel compiles per L_PAD alone, at start-up
-    # (SSMSlotPool.capture_commits), never inside a round.
     @triton.jit
     def _land(hist_ptr, used_ptr, ctx_ptr, best_ptr, landing_ptr, s, accepted, stride_h,
               stride_l, length, L_PAD: tl.constexpr):
@@ -265,6 +261,11 @@ if triton is not None:
         tl.store(used_ptr + s, used + accepted + 1)
         tl.store(ctx_ptr + s, tl.load(ctx_ptr + s) + accepted + 1)
 
+    # Launched each greedy round outside the graphs: no argument that changes with the round's
+    # k or batch is a constexpr or specialised (a pointer's alignment included: the slots follow
+    # n drafts in one buffer), so the kernel compiles per L_PAD alone, at start-up
+    # (SSMSlotPool.capture_commits), never inside a round. Its variants that land a chained
+    # round (LAND, per ROWS_PAD) compile with the chain's graphs, when those are captured.
     @triton.jit(do_not_specialize=["ids_ptr", "best_ptr", "drafts_ptr", "slots_ptr",
                                    "offsets_ptr", "index_ptr", "accepted_ptr", "index_stride",
                                    "n", "pad_slot", "pad_entry", "length", "hist_ptr",
