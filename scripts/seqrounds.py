@@ -6,12 +6,12 @@ needs at a fixed k: whether a run's slowest sequence was slow by its text or by 
 
 `run` decodes the bench's 32 bundled prompts (128 greedy tokens) three times per method, as
 gpubench's `--methods` names it, and keeps each sequence's output, rounds, rounds with drafts
-and drafts. `replay` drafts each sequence's output again with `ngram_drafts` (n-grams 1..4, k the
-method's most drafts every round) and counts the rounds it would take: greedy tokens are the same
-whatever the drafts, so that is what the sequence needs by its text at that k. A round "without
-drafts" is one that carried none: k = 0 chosen by the policy, or (on the CPU, whose proposer
-drafts nothing without a match) no n-gram found; on a GPU the lookup pads a missing match with
-filler drafts, so there it means k = 0.
+and drafts. `replay` drafts each sequence's output again with `ngram_drafts` (the worker's
+default n-gram sizes, k the method's most drafts every round) and counts the rounds it would
+take: greedy tokens are the same whatever the drafts, so that is what the sequence needs by its
+text at that k. A round "without drafts" is one that carried none: k = 0 chosen by the policy,
+or (on the CPU, whose proposer drafts nothing without a match) no n-gram found; on a GPU the
+lookup pads a missing match with filler drafts, so there it means k = 0.
 """
 import json
 import os
@@ -21,6 +21,7 @@ from metrale.deploy import gpubench as g
 from metrale.cluster.engine import DEFAULT_DRAFTS
 from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
 from metrale.drafting.ngram import ngram_drafts
+from metrale.workers.worker import WorkerConfig
 
 BATCH, PROMPT_LEN, NEW_TOKENS, TURNS = 32, 256, 128, 3
 
@@ -49,7 +50,8 @@ def fixed_k_rounds(prompt: list[int], output: list[int], k: int) -> int:
     """Rounds to emit output[1:] (output[0] comes from the prefill) drafting k tokens each round."""
     done, rounds = min(1, len(output)), 0
     while done < len(output):
-        drafts = ngram_drafts(prompt + output[:done], k, 1, 4)
+        drafts = ngram_drafts(prompt + output[:done], k, WorkerConfig.ngram_min,
+                              WorkerConfig.ngram_max)
         taken = 0
         while (taken < len(drafts) and done + taken < len(output)
                and drafts[taken] == output[done + taken]):

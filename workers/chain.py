@@ -286,13 +286,13 @@ class ChainRunner:
         def before(views):
             ids_in, positions_in, kv_in, slots_in, _, _, context_in, _ = views
             step.update(ids=ids_in, slots=slots_in)
-            if depth and paired:   # the lookup writes the rows too
+            if not depth:   # a plain decode step
+                drafts = history[:, :0]
+            elif paired:   # the lookup writes the rows too
                 step["drafts"] = kernels.ngram_round_inputs(
                     history, used, context, depth, self.min_n, self.max_n, tables, bs, ids_in,
                     positions_in, kv_in, context_in)
                 return
-            if not depth:   # a plain decode step
-                drafts = history[:, :0]
             elif drafter is None:
                 drafts = ngram_drafts_on_device(history, used, depth, self.min_n, self.max_n)
             else:
@@ -305,13 +305,12 @@ class ChainRunner:
         def after(logits, hidden, captured, r):
             best = kernels.argmax_rows(logits)
             landing = self.landing[r, :bucket]
-            if verify and paired:   # the verdicts' kernel lands the round too
-                graphs.ssm.commit_greedy_captured(step["ids"], best, counts, step["slots"],
-                                                  length, (history, used, context, landing))
-                return
-            if verify:
-                accepted = graphs.ssm.commit_greedy_captured(step["ids"], best, counts,
-                                                             step["slots"], length)
+            if verify:   # paired: the verdicts' kernel lands the round too
+                accepted = graphs.ssm.commit_greedy_captured(
+                    step["ids"], best, counts, step["slots"], length,
+                    (history, used, context, landing) if paired else None)
+                if paired:
+                    return
             else:
                 accepted = greedy_counts(step["drafts"], best.view(bucket, length))
             if drafter is not None:   # the committed rows: pending token, accepted drafts
