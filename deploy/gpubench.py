@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="worker option cuda_graphs=False")
     p.add_argument("--no-few-rows", action="store_true",
                    help="a verify's projections through F.linear, not kernels.few_rows (A/B)")
+    p.add_argument("--small-weight-rows", type=int, default=None,
+                   help="most rows kernels.few_rows takes of a small weight (kernels.SMALL_ROWS; "
+                        "above 16 in tiles of kernels.TILE_ROWS, at most 128; A/B)")
     p.add_argument("--no-chain-kernels", action="store_true",
                    help="a chained round's n-gram lookup and bookkeeping as tensor ops, not "
                         "kernels.ngram_lookup / round_inputs / round_advance (A/B)")
@@ -798,6 +801,11 @@ def run(args) -> int:
     if args.no_cuda_graphs:
         options["cuda_graphs"] = False
     kernels.FEW = not args.no_few_rows
+    if args.small_weight_rows is not None:
+        if not kernels.FEW_ROWS <= args.small_weight_rows <= 128:
+            raise SystemExit(f"--small-weight-rows must be {kernels.FEW_ROWS} to 128, "
+                             f"not {args.small_weight_rows}")
+        kernels.SMALL_ROWS = args.small_weight_rows
     kernels.CHAIN = not args.no_chain_kernels
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -833,7 +841,8 @@ def run(args) -> int:
         "torch": torch.__version__, "dtype": args.dtype_name, "small": args.small,
         "worker_options": {"attention_backend": options.get("attention_backend", "auto"),
                            "cuda_graphs": options.get("cuda_graphs", True),
-                           "few_rows": kernels.FEW, "chain_kernels": kernels.CHAIN},
+                           "few_rows": kernels.FEW, "small_weight_rows": kernels.SMALL_ROWS,
+                           "chain_kernels": kernels.CHAIN},
         "bandwidth_bytes_per_s": bandwidth, "copy_bytes": copy_size,
         "steady_waves": args.steady_waves, "steady_spread": args.steady_spread,
         "arrival_rate": args.arrival_rate,

@@ -44,6 +44,12 @@ BUILDS = {
                             "pad_slot": "i32", "pad_entry": "i32", "length": "i32",
                             "landing_ptr": "*i64", "stride_l": "i32"},
                            {"L_PAD": 4, "LAND": True, "ROWS_PAD": 8, "PDL": True}),
+    "few_rows_tile": ("_few_rows_kernel",   # a tile of 32 rows, [gate | up] with the SiLU
+                      {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                       "count_ptr": "*i32", "m": "i32", "n_out": "i32", "n_in": "i32",
+                       "stride_x": "i32", "k_len": "i32"},
+                      {"M_PAD": 32, "BLOCK_N": 32, "BLOCK_K": 256, "SPLITS": 1, "SILU_MUL": True,
+                       "IEEE": False, "PDL": True}),
     "round_advance": ("_round_advance_kernel",
                       {**SEQ, "best_ptr": "*i64", "accepted_ptr": "*i64", "landing_ptr": "*i64",
                        "stride_l": "i32", "length": "i32"},

@@ -653,11 +653,15 @@ def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n_out,n_in", [(2, 50, 64), (8, 37, 300), (16, 96, 1500), (5, 1024, 256)])
+@pytest.mark.parametrize("m,n_out,n_in", [(2, 50, 64), (8, 37, 300), (16, 96, 1500), (5, 1024, 256),
+                                         (17, 40, 96), (70, 96, 300), (128, 64, 256)])
 def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypatch):
-    """2 to 16 rows (views of wider rows) of a small weight through the few-rows kernel, and
-    [gate | up] with the SiLU applied to its sums as silu_mul rounds them; 17 rows, a large
-    weight few_rows_plan leaves to cuBLAS, or autograd on, go to F.linear."""
+    """2 to 128 rows (views of wider rows; above 16 in tiles of TILE_ROWS, the last one part
+    full) of a small weight through the few-rows kernel, and [gate | up] with the SiLU applied
+    to its sums as silu_mul rounds them; 129 rows, a large weight few_rows_plan leaves to
+    cuBLAS, or autograd on, go to F.linear. (SMALL_ROWS is 128 here; by default it is FEW_ROWS,
+    until a GPU run times the tiles.)"""
+    monkeypatch.setattr(kernels, "SMALL_ROWS", 128)
     calls = []
     few_rows = kernels.few_rows
     monkeypatch.setattr(kernels, "few_rows",
@@ -666,13 +670,14 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
         pytest.skip("the Triton interpreter mishandles bfloat16")
     g = torch.Generator(DEVICE).manual_seed(m * n_in)
     w = torch.randn(n_out, n_in, generator=g, device=DEVICE).to(dtype)
-    rows = torch.randn(17, n_in + 3, generator=g, device=DEVICE).to(dtype)[:, 3:]
+    rows = torch.randn(kernels.SMALL_ROWS + 1, n_in + 3, generator=g, device=DEVICE
+                       ).to(dtype)[:, 3:]
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     with torch.inference_mode():
         out = kernels.linear(rows[:m], w)
         assert out.shape == (m, n_out) and out.dtype == dtype
         assert rel_err(out, F.linear(rows[:m].float(), w.float())) < tol
-        assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # 17 rows: cuBLAS
+        assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # 129 rows: cuBLAS
         big = torch.randn(5120, kernels.FEW_MAX_WEIGHTS // 5120 + 1, generator=g, device=DEVICE
                           ).to(dtype)   # a fused attention projection's shape: cuBLAS
         x = torch.randn(m, big.shape[1], generator=g, device=DEVICE).to(dtype)

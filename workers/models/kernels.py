@@ -671,21 +671,21 @@ if triton is not None:
                          k_len, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SPLITS: tl.constexpr, SILU_MUL: tl.constexpr,
                          IEEE: tl.constexpr, PDL: tl.constexpr):
-        """BLOCK_N outputs of each of m <= M_PAD rows (a verify's): x [m, n_in] (rows stride_x
-        apart) times BLOCK_N contiguous rows of w [n_out, n_in], on the tensor cores with float32
-        sums (IEEE: float32 inputs multiplied in full precision), rounded once at the end; the
-        weights' first BLOCK_K features are loaded before waiting for the kernel before (see
-        _pdl). With SILU_MUL as in _gemv_kernel.
+        """BLOCK_N outputs of each of the M_PAD rows of tile t (rows t * M_PAD on, up to m):
+        x [m, n_in] (rows stride_x apart) times BLOCK_N contiguous rows of w [n_out, n_in], on
+        the tensor cores with float32 sums (IEEE: float32 inputs multiplied in full precision),
+        rounded once at the end; the weights' first BLOCK_K features are loaded before waiting
+        for the kernel before (see _pdl). With SILU_MUL as in _gemv_kernel.
 
-        Program (i, s) sums features s * k_len up to (s + 1) * k_len. With SPLITS > 1 it stores
-        its float32 sums in part[s] ([SPLITS, M_PAD, n_out]) and counts itself in count[i]; the
-        last of column i's programs to arrive adds the parts in the order s = 0, 1, ..., so the
-        result does not depend on which finished first, stores it, and sets count[i] back to 0
-        for the next launch."""
-        col, split = tl.program_id(0), tl.program_id(1)
+        Program (i, s, t) sums features s * k_len up to (s + 1) * k_len. With SPLITS > 1 (one
+        tile only) it stores its float32 sums in part[s] ([SPLITS, M_PAD, n_out]) and counts
+        itself in count[i]; the last of column i's programs to arrive adds the parts in the
+        order s = 0, 1, ..., so the result does not depend on which finished first, stores it,
+        and sets count[i] back to 0 for the next launch."""
+        col, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = col * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < n_out
-        r = tl.arange(0, M_PAD)
+        r = tile * M_PAD + tl.arange(0, M_PAD)
         r_ok = r < m
         k_first = split * k_len
         k_end = tl.minimum(k_first + k_len, n_in)
@@ -1177,6 +1177,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
 
 
 FEW_ROWS = 16                         # most rows few_rows takes (a verify of 15 drafts)
+# Most rows few_rows takes of a small weight (see FEW_MAX_WEIGHTS); above FEW_ROWS in tiles of
+# TILE_ROWS rows, one a program: a decode step of 17 to 128 sequences, or a verify of as many
+# rows, which go to cuBLAS (2.7-3.1 us a GEMM on the bundled model at 32 and 128 rows, H100,
+# kernelprof-27726e5-h100.txt) and, for gate | up, silu_mul's kernel after it. Not yet timed on
+# a GPU, so FEW_ROWS (cuBLAS above it, as for larger weights) until an A/B run says otherwise:
+# gpubench --small-weight-rows 128 (README, "Where one batch's device time goes")
+SMALL_ROWS = FEW_ROWS
+TILE_ROWS = 32
 FEW_BLOCK_N, FEW_BLOCK_K = 32, 256    # outputs and features per few_rows program and stretch
 # Weights (elements) up to which linear() takes few_rows with one launch config for all: the
 # bundled model's projections (up to 4096 x 256), where few_rows took 1.3-1.9 us and cuBLAS
@@ -1208,13 +1216,14 @@ def small_weight(n_out: int, n_in: int, silu_mul: bool) -> bool:
 
 
 def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan | None:
-    """How few_rows runs `rows` (2 to FEW_ROWS) rows of a weight [n_out (x2 with silu_mul),
-    n_in], or None where cuBLAS is faster. Chosen by the Qwen3.5-2B-shaped target's whole verify
-    graph replayed with each weight's plan swapped (scripts/verifyprof.py --plans; README, "Plans
-    chosen in the model"), after a sweep of each kernel alone (scripts/fewsweep.py), which is no
-    judge on its own: it ranked a plan for the 12352 x 2048 Gated DeltaNet input projection
-    ahead of cuBLAS, and in the model that plan cost 0.06-0.09 ms a verify of 7.
-    - small weights: SMALL_PLAN;
+    """How few_rows runs `rows` (2 to FEW_ROWS; of a small weight, up to SMALL_ROWS) rows of a
+    weight [n_out (x2 with silu_mul), n_in], or None where cuBLAS is faster. Chosen by the
+    Qwen3.5-2B-shaped target's whole verify graph replayed with each weight's plan swapped
+    (scripts/verifyprof.py --plans; README, "Plans chosen in the model"), after a sweep of each
+    kernel alone (scripts/fewsweep.py), which is no judge on its own: it ranked a plan for the
+    12352 x 2048 Gated DeltaNet input projection ahead of cuBLAS, and in the model that plan
+    cost 0.06-0.09 ms a verify of 7.
+    - small weights: SMALL_PLAN, whatever the rows;
     - [gate | up] with the SiLU fused: 32 outputs and 128 features a stretch (cuBLAS and
       silu_mul's kernel cost 0.02-0.03 ms more a verify);
     - up to 4096 outputs that fit WHOLE_PROGRAMS programs of 64 outputs and WHOLE_K features
@@ -1243,20 +1252,24 @@ def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan |
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
              plan: FewPlan = SMALL_PLAN) -> torch.Tensor:
-    """x [m, n_in] (2 <= m <= FEW_ROWS, features contiguous) times weight [n_out, n_in]
-    (contiguous) transposed, as F.linear, in one kernel launched like the others here (see
-    _pdl); with `silu_mul` as gemv's (on one program per column: plan.splits 1)."""
+    """x [m, n_in] (2 <= m <= FEW_ROWS, or up to SMALL_ROWS in tiles of TILE_ROWS with an
+    unsplit plan; features contiguous) times weight [n_out, n_in] (contiguous) transposed, as
+    F.linear, in one kernel launched like the others here (see _pdl); with `silu_mul` as
+    gemv's (on one program per column: plan.splits 1)."""
     m, n_in = x.shape
     n_out = weight.shape[0] // (1 + silu_mul)
     assert plan.splits == 1 or not silu_mul, "silu_mul sums each column in one program"
+    m_pad = FEW_ROWS if m <= FEW_ROWS else TILE_ROWS
+    tiles = triton.cdiv(m, m_pad)
+    assert tiles == 1 or plan.splits == 1, "split sums are laid out for one tile of rows"
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     columns = triton.cdiv(n_out, plan.block_n)
     k_len = triton.cdiv(triton.cdiv(n_in, plan.splits), plan.block_k) * plan.block_k
     splits = triton.cdiv(n_in, k_len)   # plan.splits or fewer, k_len being whole stretches
     part, count = (_split_space(x.device, splits * FEW_ROWS * n_out, columns)
                    if splits > 1 else (out, out))
-    _few_rows_kernel[(columns, splits)](
-        x, weight, out, part, count, m, n_out, n_in, x.stride(0), k_len, M_PAD=FEW_ROWS,
+    _few_rows_kernel[(columns, splits, tiles)](
+        x, weight, out, part, count, m, n_out, n_in, x.stride(0), k_len, M_PAD=m_pad,
         BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLITS=splits,
         SILU_MUL=silu_mul, IEEE=x.dtype == torch.float32, **_pdl(), num_warps=plan.warps,
         num_stages=plan.stages)
@@ -1317,11 +1330,13 @@ def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _few_rows_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    silu_mul: bool) -> FewPlan | None:
     """How few_rows computes F.linear(x, weight, bias) here (None: it does not): 2 to FEW_ROWS
-    rows, as few_rows_plan says for this weight."""
-    if not (FEW and _rows_kernel_takes(x, weight, bias, range(2, FEW_ROWS + 1))):
-        return None
+    rows, as few_rows_plan says for this weight, or of a small weight up to SMALL_ROWS."""
     n_out, n_in = weight.shape
-    return few_rows_plan(x.shape[0], n_out // 2 if silu_mul else n_out, n_in, silu_mul)
+    n_out = n_out // 2 if silu_mul else n_out
+    most = max(SMALL_ROWS, FEW_ROWS) if small_weight(n_out, n_in, silu_mul) else FEW_ROWS
+    if not (FEW and _rows_kernel_takes(x, weight, bias, range(2, most + 1))):
+        return None
+    return few_rows_plan(x.shape[0], n_out, n_in, silu_mul)
 
 
 def linear_silu_mul(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
