@@ -1266,7 +1266,7 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
     columns = triton.cdiv(n_out, plan.block_n)
     k_len = triton.cdiv(triton.cdiv(n_in, plan.splits), plan.block_k) * plan.block_k
     splits = triton.cdiv(n_in, k_len)   # plan.splits or fewer, k_len being whole stretches
-    part, count = (_split_space(x.device, splits * FEW_ROWS * n_out, columns)
+    part, count = (_split_space(x.device, splits * m_pad * n_out, columns)
                    if splits > 1 else (out, out))
     _few_rows_kernel[(columns, splits, tiles)](
         x, weight, out, part, count, m, n_out, n_in, x.stride(0), k_len, M_PAD=m_pad,
