@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a verify's projections through F.linear, not kernels.few_rows (A/B)")
     p.add_argument("--small-weight-rows", type=int, default=None,
                    help="most rows kernels.few_rows takes of a small weight (kernels.SMALL_ROWS; "
-                        "above 16 in tiles of kernels.TILE_ROWS, at most 128; A/B)")
+                        "above 16 in tiles of kernels.TILE_ROWS; default 128, 16 for cuBLAS "
+                        "above 16 rows as before 2026-12-07: A/B)")
     p.add_argument("--no-chain-kernels", action="store_true",
                    help="a chained round's n-gram lookup and bookkeeping as tensor ops, not "
                         "kernels.ngram_lookup / round_inputs / round_advance (A/B)")

@@ -25,7 +25,7 @@ def test_bench_small_on_cpu(tmp_path, capsys):
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
     assert report["dtype"] == "float32" and report["date"]
     assert report["worker_options"] == {"attention_backend": "torch", "cuda_graphs": True,
-                                        "few_rows": True, "small_weight_rows": 16,
+                                        "few_rows": True, "small_weight_rows": 128,
                                         "chain_kernels": True}
     assert report["bandwidth_bytes_per_s"] > 0
     assert set(report["models"]) == {"bundled", "qwen3-8b", "qwen3.5-2b"}

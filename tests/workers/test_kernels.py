@@ -659,11 +659,10 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
     """2 to 128 rows (views of wider rows; above 16 in tiles of TILE_ROWS, the last one part
     full) of a small weight through the few-rows kernel, and [gate | up] with the SiLU applied
     to its sums as silu_mul rounds them; 129 rows, a large weight few_rows_plan leaves to
-    cuBLAS, or autograd on, go to F.linear. (SMALL_ROWS is 128 here; by default it is FEW_ROWS,
-    until a GPU run times the tiles: then 17 rows go to cuBLAS.)"""
+    cuBLAS, or autograd on, go to F.linear; with SMALL_ROWS at FEW_ROWS (gpubench
+    --small-weight-rows 16) so do 17."""
     default = kernels.SMALL_ROWS
-    assert default == kernels.FEW_ROWS
-    monkeypatch.setattr(kernels, "SMALL_ROWS", 128)
+    assert default == 128
     calls = []
     few_rows = kernels.few_rows
     monkeypatch.setattr(kernels, "few_rows",
@@ -692,8 +691,9 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
                * F.linear(rows[:m].float(), w[half:2 * half].float()))
         assert fused.shape == (m, half) and rel_err(fused, ref) < 10 * tol
         assert calls == [w.shape, (half * 2, n_in)]
-        monkeypatch.setattr(kernels, "SMALL_ROWS", default)
+        monkeypatch.setattr(kernels, "SMALL_ROWS", kernels.FEW_ROWS)
         assert kernels._few_rows_take(rows[:kernels.FEW_ROWS + 1], w, None, False) is None
+        monkeypatch.setattr(kernels, "SMALL_ROWS", default)
     with torch.enable_grad():
         assert torch.equal(kernels.linear(rows[:m], w), F.linear(rows[:m], w))
     assert len(calls) == 2

@@ -1179,11 +1179,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
 FEW_ROWS = 16                         # most rows few_rows takes (a verify of 15 drafts)
 # Most rows few_rows takes of a small weight (see FEW_MAX_WEIGHTS); above FEW_ROWS in tiles of
 # TILE_ROWS rows, one a program: a decode step of 17 to 128 sequences, or a verify of as many
-# rows, which go to cuBLAS (2.7-3.1 us a GEMM on the bundled model at 32 and 128 rows, H100,
-# kernelprof-27726e5-h100.txt) and, for gate | up, silu_mul's kernel after it. Not yet timed on
-# a GPU, so FEW_ROWS (cuBLAS above it, as for larger weights) until an A/B run says otherwise:
-# gpubench --small-weight-rows 128 (README, "Where one batch's device time goes")
-SMALL_ROWS = FEW_ROWS
+# rows, which would otherwise go to cuBLAS (2.7-3.1 us a GEMM on the bundled model at 32 and 128
+# rows, H100, kernelprof-27726e5-h100.txt) and, for gate | up, silu_mul's kernel after it. In
+# the bundled model's bench, n-gram at B = 8 (32 verify rows) went from 53.8k to 61.6-64.1k
+# tokens/s with the tiles (ab-smallrows-01dd4cf-h100.txt; gpubench --small-weight-rows 16 is
+# the old routing, for an A/B)
+SMALL_ROWS = 128
 TILE_ROWS = 32
 FEW_BLOCK_N, FEW_BLOCK_K = 32, 256    # outputs and features per few_rows program and stretch
 # Weights (elements) up to which linear() takes few_rows with one launch config for all: the
