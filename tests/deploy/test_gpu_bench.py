@@ -20,6 +20,7 @@ def test_bench_small_on_cpu(tmp_path, capsys):
     assert main(["bench", "--small", "--device", "cpu", "--batch-sizes", "1,2", "--iters", "3",
                  "--new-tokens", "12", "--ckpt-dir", str(tmp_path / "ckpt"),
                  "--methods", "none,mtp=2,dflash=3,ngram=3,ngram@7", "--arrival-rate", "40",
+                 "--steady-waves", "2",
                  "--attention-backend", "torch", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
@@ -66,15 +67,15 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 running = [n for _, n in run["timeline"]]
                 assert running[-1] == 0 and all(0 <= n <= int(size) for n in running)
                 assert running == sorted(running, reverse=True)
-                # steady: 4B requests of 12 +- 50% tokens, at most B sequences (so tokens) a step
+                # steady: 2B requests of 12 +- 50% tokens, at most B sequences (so tokens) a step
                 b = int(size)
-                assert run["steady_requests"] == 4 * b
-                assert run["steady_tokens"] == sum(steady_lengths(4 * b, 12, 0.5))
+                assert run["steady_requests"] == 2 * b
+                assert run["steady_tokens"] == sum(steady_lengths(2 * b, 12, 0.5))
                 assert run["steady_tokens_per_s"] > 0
                 # until the queue emptied: B sequences ran at every step, the drain left out
                 assert 0 < run["loaded_s"] < run["steady_wall_s"]
                 assert run["loaded_tokens_per_s"] > 0
-                assert method != "none" or run["steady_steps"] >= 4 * 12
+                assert method != "none" or run["steady_steps"] >= 2 * 12
                 # the same requests arriving at random: every token, and first-token times
                 assert run["arrival_tokens"] == run["steady_tokens"]
                 assert 0 < run["arrival_ttft_p50_ms"] <= run["arrival_ttft_p90_ms"]
