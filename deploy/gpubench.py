@@ -101,8 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a verify's projections through F.linear, not kernels.few_rows (A/B)")
     p.add_argument("--small-weight-rows", type=int, default=None,
                    help="most rows kernels.few_rows takes of a small weight (kernels.SMALL_ROWS; "
-                        "above 16 in tiles of kernels.TILE_ROWS; default 128, 16 for cuBLAS "
-                        "above 16 rows as before 2026-12-07: A/B)")
+                        "above 16 in tiles of kernels.TILE_ROWS; 16 to 256, default 128; "
+                        "16: cuBLAS above 16 rows, as before 2026-12-07; A/B)")
     p.add_argument("--no-chain-kernels", action="store_true",
                    help="a chained round's n-gram lookup and bookkeeping as tensor ops, not "
                         "kernels.ngram_lookup / round_inputs / round_advance (A/B)")
@@ -803,8 +803,8 @@ def run(args) -> int:
         options["cuda_graphs"] = False
     kernels.FEW = not args.no_few_rows
     if args.small_weight_rows is not None:
-        if not kernels.FEW_ROWS <= args.small_weight_rows <= 128:
-            raise SystemExit(f"--small-weight-rows must be {kernels.FEW_ROWS} to 128, "
+        if not kernels.FEW_ROWS <= args.small_weight_rows <= 256:
+            raise SystemExit(f"--small-weight-rows must be {kernels.FEW_ROWS} to 256, "
                              f"not {args.small_weight_rows}")
         kernels.SMALL_ROWS = args.small_weight_rows
     kernels.CHAIN = not args.no_chain_kernels

@@ -654,15 +654,19 @@ def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n_out,n_in", [(2, 50, 64), (8, 37, 300), (16, 96, 1500), (5, 1024, 256),
-                                         (17, 40, 96), (70, 96, 300), (128, 64, 256)])
+                                         (17, 40, 96), (70, 96, 300), (128, 64, 256),
+                                         (256, 48, 128)])
 def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypatch):
     """2 to 128 rows (views of wider rows; above 16 in tiles of TILE_ROWS, the last one part
     full) of a small weight through the few-rows kernel, and [gate | up] with the SiLU applied
-    to its sums as silu_mul rounds them; 129 rows, a large weight few_rows_plan leaves to
-    cuBLAS, or autograd on, go to F.linear; with SMALL_ROWS at FEW_ROWS (gpubench
-    --small-weight-rows 16) so do 17."""
+    to its sums as silu_mul rounds them; one row more than SMALL_ROWS, a large weight
+    few_rows_plan leaves to cuBLAS, or autograd on, go to F.linear; with SMALL_ROWS at FEW_ROWS
+    (gpubench --small-weight-rows 16) so do 17. 256 rows run with SMALL_ROWS at 256, the most
+    gpubench --small-weight-rows takes."""
     default = kernels.SMALL_ROWS
     assert default == 128
+    if m > default:
+        monkeypatch.setattr(kernels, "SMALL_ROWS", m)
     calls = []
     few_rows = kernels.few_rows
     monkeypatch.setattr(kernels, "few_rows",
@@ -678,7 +682,7 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
         out = kernels.linear(rows[:m], w)
         assert out.shape == (m, n_out) and out.dtype == dtype
         assert rel_err(out, F.linear(rows[:m].float(), w.float())) < tol
-        assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # 129 rows: cuBLAS
+        assert torch.equal(kernels.linear(rows, w), F.linear(rows, w))   # SMALL_ROWS + 1: cuBLAS
         big = torch.randn(5120, kernels.FEW_MAX_WEIGHTS // 5120 + 1, generator=g, device=DEVICE
                           ).to(dtype)   # a fused attention projection's shape: cuBLAS
         x = torch.randn(m, big.shape[1], generator=g, device=DEVICE).to(dtype)
@@ -693,7 +697,6 @@ def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypa
         assert calls == [w.shape, (half * 2, n_in)]
         monkeypatch.setattr(kernels, "SMALL_ROWS", kernels.FEW_ROWS)
         assert kernels._few_rows_take(rows[:kernels.FEW_ROWS + 1], w, None, False) is None
-        monkeypatch.setattr(kernels, "SMALL_ROWS", default)
     with torch.enable_grad():
         assert torch.equal(kernels.linear(rows[:m], w), F.linear(rows[:m], w))
     assert len(calls) == 2
