@@ -657,7 +657,7 @@ def test_gemv_is_f_linear_for_one_row(dtype, n_out, n_in):
                                          (17, 40, 96), (70, 96, 300), (128, 64, 256),
                                          (256, 48, 128)])
 def test_few_rows_is_f_linear_for_a_verifys_rows(dtype, m, n_out, n_in, monkeypatch):
-    """2 to 128 rows (views of wider rows; above 16 in tiles of TILE_ROWS, the last one part
+    """2 to 256 rows (views of wider rows; above 16 in tiles of TILE_ROWS, the last one part
     full) of a small weight through the few-rows kernel, and [gate | up] with the SiLU applied
     to its sums as silu_mul rounds them; one row more than SMALL_ROWS, a large weight
     few_rows_plan leaves to cuBLAS, or autograd on, go to F.linear; with SMALL_ROWS at FEW_ROWS

@@ -1182,8 +1182,9 @@ FEW_ROWS = 16                         # most rows few_rows takes (a verify of 15
 # rows, which would otherwise go to cuBLAS (2.7-3.1 us a GEMM on the bundled model at 32 and 128
 # rows, H100, kernelprof-27726e5-h100.txt) and, for gate | up, silu_mul's kernel after it. In
 # the bundled model's bench, n-gram at B = 8 (32 verify rows) went from 53.8k to 61.6-64.1k
-# tokens/s with the tiles (ab-smallrows-01dd4cf-h100.txt; gpubench --small-weight-rows 16 is
-# the old routing, for an A/B)
+# tokens/s with the tiles, plain decoding 22% faster at B = 32 and 25-27% at B = 64, where a
+# round of 3 drafts (256 rows) stays on cuBLAS (ab-smallrows-*-h100.txt, one H100;
+# gpubench --small-weight-rows 16 is the old routing, 256 takes those rounds too: A/B)
 SMALL_ROWS = 128
 TILE_ROWS = 32
 FEW_BLOCK_N, FEW_BLOCK_K = 32, 256    # outputs and features per few_rows program and stretch
