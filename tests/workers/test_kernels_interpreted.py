@@ -16,7 +16,7 @@ import pytest
 from metrale.workers.models import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
-# 4 + 3 + 3 cases, and few_rows' 7 in float32 (the interpreter mishandles bfloat16)
+# 4 + 3 + 3 cases, and few_rows' 8 in float32 (the interpreter mishandles bfloat16)
 CASES = "ngram_lookup or bookkeeping or (few_rows_is and dtype0)"
 
 
