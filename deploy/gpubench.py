@@ -795,6 +795,9 @@ def run(args) -> int:
         raise SystemExit(f"--arrival-rate: {args.arrival_rate} is below 0 (0 turns arrivals off)")
     if not 0 <= args.steady_spread < 1:
         raise SystemExit(f"--steady-spread: {args.steady_spread} is not in [0, 1)")
+    if args.small_weight_rows is not None and not kernels.FEW_ROWS <= args.small_weight_rows <= 256:
+        raise SystemExit(f"--small-weight-rows: {args.small_weight_rows} is not in "
+                         f"[{kernels.FEW_ROWS}, 256]")
     args.new_tokens = args.new_tokens or (16 if args.small else 128)
     options = {}
     if args.attention_backend:
@@ -803,9 +806,6 @@ def run(args) -> int:
         options["cuda_graphs"] = False
     kernels.FEW = not args.no_few_rows
     if args.small_weight_rows is not None:
-        if not kernels.FEW_ROWS <= args.small_weight_rows <= 256:
-            raise SystemExit(f"--small-weight-rows must be {kernels.FEW_ROWS} to 256, "
-                             f"not {args.small_weight_rows}")
         kernels.SMALL_ROWS = args.small_weight_rows
     kernels.CHAIN = not args.no_chain_kernels
     out = Path(args.out)

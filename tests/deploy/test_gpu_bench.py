@@ -12,6 +12,7 @@ import torch
 from metrale.deploy.cli import main
 from metrale.deploy.gpubench import arrival_times, git_commit, steady_lengths, weight_bytes
 from metrale.deploy.random_checkpoint import QWEN3_5_SMALL, hf_config, write_random_checkpoint
+from metrale.workers.models import kernels
 
 
 @pytest.mark.slow
@@ -224,6 +225,14 @@ def test_a_negative_steady_waves_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"--steady-waves: -1 is below 0"):
         main(["bench", "--small", "--device", "cpu", "--steady-waves", "-1",
               "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("rows", ["15", "257"])
+def test_small_weight_rows_outside_16_to_256_are_refused(tmp_path, rows):
+    with pytest.raises(SystemExit, match=rf"--small-weight-rows: {rows} is not in \[16, 256\]"):
+        main(["bench", "--small", "--device", "cpu", "--small-weight-rows", rows,
+              "--out", str(tmp_path)])
+    assert kernels.SMALL_ROWS == 128   # refused before it was set
 
 
 def test_the_commit_recorded_says_when_the_tree_is_not_heads(tmp_path, monkeypatch):
