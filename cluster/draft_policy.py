@@ -218,9 +218,9 @@ class DraftPolicy:
         more, so that bounds it. Left to `step_seconds`, below the bucket's least measured k
         time falls with the rows, and on a small model, whose round costs about the same
         whatever its k, that made k = 0 look three times cheaper than k = 2: at the end of a
-        batch the last sequences then ran without drafts (README, "The end of a batch without
-        drafts"). A bucket with neither its own nor a larger bucket's figures takes those of
-        the nearest measured one."""
+        batch the last sequences then ran without drafts (deploy/results/HISTORY.md,
+        "The end of a batch without drafts"). A bucket with neither its own nor a larger
+        bucket's figures takes those of the nearest measured one."""
         measured = {b: own for b, t in self.costs.items()
                     if (own := {k: c for k, c in t.items() if c.samples})}
         table = dict(measured.get(bucket, {}))

@@ -593,7 +593,7 @@ class Scheduler:
         prefill on a graph worker: the device waited while the host laid it out and uploaded
         its sequences) is not timed: that wait is paid once for its sequences whatever their
         k, and counted per round it makes that k look far dearer than chains planned ahead
-        measure it (README, "The first chain is no longer timed")."""
+        measure it (deploy/results/HISTORY.md, "The first chain is no longer timed")."""
         if plan.prefill:   # the worker's time: a plan may have waited behind another there
             self.prefill_times.append(result.propose_s + result.forward_s)
         if not self.num_drafts:

@@ -9,7 +9,7 @@ Prints, per shape (4 key and 8 value heads of 32: the bundled model; 16 and 32 h
 Qwen3.5-2B shapes), sequences and rows each (1: a decode step; 8: a verify of 7 drafts, whose
 per-row states go to a verify pool), the microseconds a call of each and the largest relative
 difference of their outputs and states. The engine reads in one pass where the key heads have
-32 features or fewer (DELTA_ONE_PASS_KEYS; README, "One pass over the keys").
+32 features or fewer (DELTA_ONE_PASS_KEYS; deploy/results/HISTORY.md, "One pass over the keys").
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ Prints, per shape (8 heads of 32: the bundled model; 32 heads of 128: the Qwen3.
 rows (a verify of k drafts at batch B has B x (k + 1)), each setting's microseconds a call and
 the share of output elements that differ from one head a program (a sum over a tile of several
 heads may round otherwise). A verify of 7 drafts at B=32 runs this norm once per Gated DeltaNet
-layer on 256 rows. The engine runs NORM_HEADS = 4 (README, "Gated RMSNorm, several heads a
-program").
+layer on 256 rows. The engine runs NORM_HEADS = 4 (deploy/results/HISTORY.md,
+"Gated RMSNorm, several heads a program").
 """
 from __future__ import annotations
 

@@ -290,9 +290,9 @@ class Worker:
     def _chain_rounds(self) -> int:
         """Rounds a plan may chain (`_execute_chain`): with an n-gram, MTP or DFlash proposer or
         none (plain greedy decode steps) on one rank only, by default CHAIN_ROUNDS where CUDA
-        graphs replay (elsewhere every round waits for the host anyway; README, "Rounds
-        chained on the device, measured" and "Plain decode steps chained"). Off the graph
-        path a plan's rounds run one by one unless `chain_rounds` asks for chains."""
+        graphs replay (elsewhere every round waits for the host anyway; deploy/results/HISTORY.md,
+        "Rounds chained on the device, measured" and "Plain decode steps chained"). Off the
+        graph path a plan's rounds run one by one unless `chain_rounds` asks for chains."""
         rounds = self.config.chain_rounds
         method = self.proposer.method if self.proposer is not None else "none"
         if rounds is None:

@@ -168,7 +168,8 @@ class GatedDeltaNet(nn.Module):
         rep = self.num_v_heads // self.num_k_heads
         # As one variable-length sequence of all B chunks, so the autotuner's key (which holds
         # the batch size) is the same for every prefill: keyed by B, each new count of prompts
-        # in a step benchmarked its configs again, 0.7-2 s a step under steady load (README).
+        # in a step benchmarked its configs again, 0.7-2 s a step under steady load
+        # (deploy/results/HISTORY.md).
         n = mixed.shape[0]
         ends, index = _varlen_index(n, length, mixed.device)
         out, state = chunk(*(t.flatten(0, 1).unsqueeze(0) for t in (
@@ -197,13 +198,12 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-# flash-linear-attention's chunked kernel costs about 2 ms of host time per layer (some 15
-# launches through its autotuner), while token by token a step's time follows its longest chunk
-# until the GPU fills up. On the H200 (README, "Full bench: commit 816c4b0"), the
-# Qwen3.5-2B shape prefilled 4 prompts of 256 rows in 23 ms token by token against 37 ms
-# chunked, one of 1024 rows in 21 against 34, and broke even at 8192 rows in all; one prompt of
-# 4096 rows took 94 against 55. Decode, verify and other prefills run token by token
-# (kernels.gated_delta_rule).
+# flash-linear-attention's chunked kernel costs about 2 ms of host time per layer (some 15 launches
+# through its autotuner), while token by token a step's time follows its longest chunk until the GPU
+# fills up. On the H200 (deploy/results/HISTORY.md, "Full bench: commit 816c4b0"), the Qwen3.5-2B
+# shape prefilled 4 prompts of 256 rows in 23 ms token by token against 37 ms chunked, one of 1024
+# rows in 21 against 34, and broke even at 8192 rows in all; one prompt of 4096 rows took 94 against
+# 55. Decode, verify and other prefills run token by token (kernels.gated_delta_rule).
 FLA_CHUNK_MIN_LEN = 64     # rows a chunk needs for fla's kernel at all
 FLA_CHUNK_LONG = 2048      # a chunk this long goes to it
 FLA_CHUNK_MIN_ROWS = 8192  # and so do a step's chunks of this many rows in all

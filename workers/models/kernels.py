@@ -127,7 +127,8 @@ if triton is not None:
     # Prefills run eagerly with layouts that change step by step: the per-sequence tensors are
     # rows of one copy (their alignment follows the count of sequences) and the tables' width
     # follows the longest context, so neither is specialised, or each new count or width
-    # compiled the kernel again, about 0.8 s inside a step under steady load (README).
+    # compiled the kernel again, about 0.8 s inside a step under steady load
+    # (deploy/results/HISTORY.md).
     @triton.jit(do_not_specialize=["tables_ptr", "q_start_ptr", "q_len_ptr", "ctx_ptr",
                                    "stride_tb"])
     def _paged_attention_kernel(
@@ -841,7 +842,7 @@ if triton is not None:
 PROGRAMS_PER_SM, MAX_SPLITS = 2, 32
 # Key blocks a range spans, at least, at the longest context the block tables hold. 4 (16 ranges
 # where 1 gives 32 at batch 1, tables of 4096 keys) made the 8B step faster at 512 keys and slower
-# at 3000 on the H200 (README, "Results: the 8B decode step"); for A/B runs.
+# at 3000 on the H200 (deploy/results/HISTORY.md, "Results: the 8B decode step"); for A/B runs.
 MIN_RANGE_BLOCKS = 1
 INTERPRETER_SMS = 132   # an H100/H200, so that tests under the interpreter take the GPU's paths
 GEMV_ROWS, GEMV_BLOCK = 2, 1024   # weight rows per gemv program, features per stretch (fastest
@@ -1057,9 +1058,9 @@ def greedy_accept(ids: torch.Tensor, best: torch.Tensor, drafts: torch.Tensor,
 # 16 columns were faster still at 8 rows (8.6 us) but took 63 us at 32 sequences.
 DELTA_BV, DELTA_WARPS = 32, 1
 # Key heads of at most this many features read a row's output from the state before its update
-# (_gated_delta_kernel's ONE_PASS). On the H100 (scripts/deltabench.py; README) it took a verify
-# of 8 rows of the bundled model's heads of 32 from 6.6 to 4.8 us (1.06x at 32 sequences); on
-# heads of 128 it gained nothing (0.95-1.02x). 0: never, for A/B runs
+# (_gated_delta_kernel's ONE_PASS). On the H100 (scripts/deltabench.py; deploy/results/HISTORY.md)
+# it took a verify of 8 rows of the bundled model's heads of 32 from 6.6 to 4.8 us (1.06x at 32
+# sequences); on heads of 128 it gained nothing (0.95-1.02x). 0: never, for A/B runs
 DELTA_ONE_PASS_KEYS = 32
 # The layer's GatedRMSNorm inside the recurrence's kernel where one program holds a whole head:
 # one launch a layer fewer. False: its own kernel after it, for A/B runs
@@ -1221,10 +1222,10 @@ def few_rows_plan(rows: int, n_out: int, n_in: int, silu_mul: bool) -> FewPlan |
     """How few_rows runs `rows` (2 to FEW_ROWS; of a small weight, up to SMALL_ROWS) rows of a
     weight [n_out (x2 with silu_mul), n_in], or None where cuBLAS is faster. Chosen by the
     Qwen3.5-2B-shaped target's whole verify graph replayed with each weight's plan swapped
-    (scripts/verifyprof.py --plans; README, "Plans chosen in the model"), after a sweep of each
-    kernel alone (scripts/fewsweep.py), which is no judge on its own: it ranked a plan for the
-    12352 x 2048 Gated DeltaNet input projection ahead of cuBLAS, and in the model that plan
-    cost 0.06-0.09 ms a verify of 7.
+    (scripts/verifyprof.py --plans; deploy/results/HISTORY.md, "Plans chosen in the model"),
+    after a sweep of each kernel alone (scripts/fewsweep.py), which is no judge on its own: it
+    ranked a plan for the 12352 x 2048 Gated DeltaNet input projection ahead of cuBLAS, and in
+    the model that plan cost 0.06-0.09 ms a verify of 7.
     - small weights: SMALL_PLAN, whatever the rows;
     - [gate | up] with the SiLU fused: 32 outputs and 128 features a stretch (cuBLAS and
       silu_mul's kernel cost 0.02-0.03 ms more a verify);
@@ -1390,7 +1391,8 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, window: torch.Te
 
 
 # Heads of a row per gated_rms_norm program: 4 cut the bundled verify of 7 at B=32 (256 rows of 8
-# heads of 32) from 2.96 to 1.17 us a call on the H100 (scripts/normbench.py; README); 1 for A/B
+# heads of 32) from 2.96 to 1.17 us a call on the H100 (scripts/normbench.py and
+# deploy/results/HISTORY.md); 1 for A/B
 NORM_HEADS = 4
 
 
