@@ -244,17 +244,23 @@ def _load(model_dir: str) -> torch.nn.Module:
     return model.eval()
 
 
-@torch.no_grad()
 def reference_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation from transformers; always exactly max_new_tokens new ids (EOS ignored)."""
-    model = _load(str(pathlib.Path(model_dir).resolve()))
+    """Greedy continuation from transformers; always exactly max_new_tokens new ids (EOS ignored).
+    Computed once per checkpoint, prompt and length in a session (many tests share them)."""
+    return list(_greedy(str(pathlib.Path(model_dir).resolve()), tuple(prompt_ids), max_new_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+@torch.no_grad()
+def _greedy(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    model = _load(model_dir)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
         temperature=None, top_p=None, top_k=None,
     )
-    return out[0, ids.shape[1]:].tolist()
+    return tuple(out[0, ids.shape[1]:].tolist())
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 
@@ -26,8 +27,13 @@ def reference(model_dir, prompts, n=40):
 
 def entry_bytes(llm_kw, model_dir) -> int:
     """Bytes of one verify-pool entry (one slot's linear-attention state); 0 without SSM layers."""
+    return _entry_bytes(str(model_dir), tuple(sorted(llm_kw.items())))
+
+
+@functools.cache   # an engine built only to read a size: once per checkpoint and options
+def _entry_bytes(model_dir: str, llm_kw: tuple) -> int:
     probe = LLM(model_dir, device="cpu", speculative_method="ngram",
-                **{**llm_kw, "max_num_seqs": 1})
+                **{**dict(llm_kw), "max_num_seqs": 1})
     return probe.worker.ssm.slot_bytes if probe.worker.ssm else 0
 
 
@@ -54,6 +60,11 @@ def test_greedy_speculation_is_exact(checkpoint, dflash_drafter, method, name, k
 
 
 def _kv_block_bytes(model_dir) -> int:
+    return _kv_block_bytes_of(str(model_dir))
+
+
+@functools.cache
+def _kv_block_bytes_of(model_dir: str) -> int:
     probe = LLM(model_dir, device="cpu", block_size=4, max_num_seqs=1)
     return probe.worker.kv.k[:, 0].nbytes * 2
 
