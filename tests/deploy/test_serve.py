@@ -1,17 +1,20 @@
 """The Serve app on a real local Ray cluster, deployed from a Serve config file: two replicas of two
-CPU workers each with a DFlash drafter, driven over real HTTP by the `openai` client and httpx."""
+CPU workers each with a DFlash drafter, driven over real HTTP by the `openai` client and httpx
+(structured output's `response_format` last, on the same app)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
 import json
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import ray
@@ -258,3 +261,42 @@ def test_prometheus_metrics(server, ray_cluster):
             break
         assert time.time() < deadline, missing
         time.sleep(1)
+
+
+# `response_format` over HTTP, on the same app: JSON schemas, the regex extension, and 400 for a
+# bad schema.
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "rank"],
+          "properties": {"city": {"enum": ["Paris", "Lima", "Oslo"]},
+                         "rank": {"type": "integer", "minimum": 1, "maximum": 9}}}
+
+
+def test_response_format_over_http(server):
+    url, model_dir, *_ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-")
+    name = Path(model_dir).name
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    for temperature in (0.0, 1.0):
+        chat = client.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "A city?"}], max_tokens=40,
+            temperature=temperature, seed=4, response_format=fmt)
+        jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    stream = client.completions.create(model=name, prompt="x", max_tokens=40, temperature=1.0,
+                                       seed=5, stream=True, extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads("".join(c.choices[0].text for c in stream if c.choices)), SCHEMA)
+    date = client.completions.create(
+        model=name, prompt="Today:", max_tokens=20, temperature=1.0, seed=6,
+        extra_body={"response_format": {"type": "regex", "regex": r"\d{4}-\d{2}-\d{2}"}})
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.choices[0].text)
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+     "invalid json schema"),
+    ({"type": "regex"}, "needs a `regex` field"),
+    ({"type": "yaml"}, "response_format"),
+])
+def test_a_bad_response_format_is_a_400(server, fmt, words):
+    url, model_dir, *_ = server
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "response_format": fmt})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
