@@ -210,7 +210,8 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(server):
          "max_tokens")
     post("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "invalid_request_error",
          "temperature")
-    ok = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 3})
+    ok = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 3,
+                                                   "ignore_eos": True})   # sampled: EOS may come
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
