@@ -59,12 +59,8 @@ def test_greedy_speculation_is_exact(checkpoint, dflash_drafter, method, name, k
     assert llm.scheduler.num_preemptions > 0
 
 
+@functools.cache   # once per checkpoint
 def _kv_block_bytes(model_dir) -> int:
-    return _kv_block_bytes_of(str(model_dir))
-
-
-@functools.cache
-def _kv_block_bytes_of(model_dir: str) -> int:
     probe = LLM(model_dir, device="cpu", block_size=4, max_num_seqs=1)
     return probe.worker.kv.k[:, 0].nbytes * 2
 
