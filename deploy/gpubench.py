@@ -36,6 +36,7 @@ from metrale.deploy.evaluate import heldout_texts
 from metrale.deploy.llm import LLM
 from metrale.deploy.random_checkpoint import (QWEN3_5_2B, QWEN3_5_SMALL, QWEN3_8B, QWEN3_SMALL,
                                               random_prompts, write_random_checkpoint)
+from metrale.drafting.ngram import lookup_rounds
 from metrale.drafting.stats import SpecStats
 from metrale.workers.models import kernels
 from metrale.workers.models.config import DTYPES, ModelConfig
@@ -244,11 +245,23 @@ def decode_run(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
             # the prefill: the slowest sequence's count is the run's critical path
             "sequence_rounds": sorted(len(s.output_ids) - 1 - s.spec.drafts_accepted
                                       for s in seqs),
+            # the same at the method's most drafts had every round accepted what the n-gram
+            # lookup's drafts match of the sequence's own text: the rounds its text asks for
+            "sequence_rounds_lookup": lookup_rounds_of(llm, seqs),
             "timeline": timeline,
             "acceptance": (stats.drafts_accepted / stats.drafts_proposed
                            if stats.drafts_proposed else None),
             "mean_acceptance_length": stats.mean_acceptance_length if stats.rounds else None,
             "spec": stats.as_dict(), "draft_policy": sched.drafts.as_dict()}
+
+
+def lookup_rounds_of(llm: LLM, seqs: list) -> list[int] | None:
+    """`sequence_rounds_lookup` of an n-gram engine's finished sequences (None for others)."""
+    proposer, k = llm.worker.proposer, llm.scheduler.num_drafts
+    if proposer is None or proposer.method != "ngram":
+        return None
+    return sorted(lookup_rounds(s.prompt_ids, s.output_ids, k, proposer.min_n, proposer.max_n)
+                  for s in seqs)
 
 
 def steady_lengths(count: int, new_tokens: int, spread: float) -> list[int]:

@@ -89,6 +89,22 @@ class SuffixIndex:
         return []
 
 
+
+def lookup_rounds(prompt: list[int], output: list[int], k: int, min_n: int, max_n: int) -> int:
+    """Rounds a greedy n-gram speculation of k drafts a round takes to emit `output` after its
+    first token (the prefill's), when every round accepts what the lookup's drafts match: the
+    rounds the text itself asks for, whatever a draft policy or an engine does."""
+    history = list(prompt) + output[:1]
+    index = SuffixIndex(history, min_n, max_n)
+    rounds = 0
+    while len(history) - len(prompt) < len(output):
+        at = len(history) - len(prompt)
+        drafts = index.drafts(min(k, len(output) - at - 1))
+        accepted = next((i for i, d in enumerate(drafts) if d != output[at + i]), len(drafts))
+        history.extend(output[at:at + accepted + 1])
+        rounds += 1
+    return rounds
+
 class NgramProposer:
     method = "ngram"
     capture_layers: tuple[int, ...] = ()

@@ -65,6 +65,62 @@ def assert_stats_count_what_was_kept(outs) -> None:
         assert o.spec.drafts_accepted + o.spec.rounds <= len(o.token_ids) - 1, o.spec
 
 
+def assert_rounds_accept_what_the_lookup_offers(llm: LLM, prompts: list[list[int]],
+                                              max_tokens: int) -> list[list[int]]:
+    """Greedy n-gram speculation of `prompts` together, every round checked against its own
+    output: a round at output position p, carrying d drafts, must accept at least what the
+    lookup's drafts from prompt + output[:p + 1] match of output[p + 1:] (capped at d), and at
+    most that with the chain's filler (the history's last token) after the lookup's drafts.
+    Exactness tests cannot see a round that drafted from a stale or wrong history: its
+    verdicts still give the target's tokens, only fewer of its drafts pass. Returns each
+    sequence's accepted counts, round by round."""
+    from metrale.drafting.ngram import ngram_drafts
+    proposer = llm.worker.proposer
+    rounds: dict[int, list[tuple[int, int]]] = {}   # seq id -> (drafts, accepted) per round
+    update = llm.scheduler.update
+
+    def recorded(plan, result):
+        for o in result.outcomes:
+            accepted = o.rounds if o.rounds is not None else [o.accepted]
+            rounds.setdefault(o.seq_id, []).extend((o.proposed // len(accepted), a)
+                                                   for a in accepted)
+        return update(plan, result)
+    llm.scheduler.update = recorded
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    try:
+        ids = [llm.add_request(p, params, streamed=False) for p in prompts]
+        seqs = [llm.scheduler.by_request[i][0] for i in ids]
+        while llm.has_work:
+            llm.step()
+    finally:
+        llm.scheduler.update = update
+
+    def matched(drafts: list[int], after: list[int]) -> int:
+        return next((i for i, (d, t) in enumerate(zip(drafts, after)) if d != t),
+                    min(len(drafts), len(after)))
+    accepted_by_seq = []
+    for prompt, seq in zip(prompts, seqs):
+        out, emitted, kept = seq.output_ids, 0, []
+        assert len(out) == max_tokens
+        for drafts, accepted in rounds[seq.seq_id]:
+            if emitted >= len(out):   # a chain's rounds after the sequence ended
+                break
+            if emitted:   # (the first token is the prefill's)
+                history, after = list(prompt) + out[:emitted], out[emitted:]
+                offered = ngram_drafts(history, drafts, proposer.min_n, proposer.max_n)
+                filled = offered + [history[-1]] * (drafts - len(offered))
+                low, high = matched(offered, after), matched(filled, after)
+                assert low <= min(accepted, len(after)) <= high, (
+                    f"sequence {seq.seq_id}: the round at output position {emitted - 1} "
+                    f"accepted {accepted} of {drafts} drafts; the lookup's drafts match "
+                    f"{low}, with filler {high}")
+                kept.append(accepted)
+            emitted += accepted + 1
+        assert emitted >= len(out)
+        accepted_by_seq.append(kept)
+    return accepted_by_seq
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(name) -> directory of the named variant (see VARIANTS)."""

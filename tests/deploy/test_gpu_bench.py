@@ -61,6 +61,12 @@ def test_bench_small_on_cpu(tmp_path, capsys):
                 most = 0 if method == "none" else k
                 assert all(-(-11 // (most + 1)) <= r <= 11 for r in rounds)
                 assert method != "none" or rounds == [11] * int(size)
+                # n-gram at a fixed k on the CPU (a round a plan, the host's index drafting):
+                # every round accepts what the lookup's drafts match, as the text asks for
+                lookup = run["sequence_rounds_lookup"]
+                assert (lookup is None) == (not method.startswith("ngram"))
+                assert method != "ngram=3" or lookup == rounds
+                assert lookup is None or (len(lookup) == len(rounds) and lookup == sorted(lookup))
                 # after each step: ms since the start, rising to the wall; sequences running
                 times = [t for t, _ in run["timeline"]]
                 assert len(times) == run["steps"] and times == sorted(times)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,21 @@ def test_drafts_on_the_device_are_the_scans_then_filler(histories, spare, sizes,
     for drafts, h in zip(got, histories):
         want = ngram_drafts(h, k, min_n, max_n)
         assert drafts == want + [h[-1]] * (k - len(want))
+
+
+@pytest.mark.parametrize("chain_rounds", [0, 8], ids=["round-by-round", "chained"])
+def test_every_round_accepts_what_the_lookup_offers(chain_rounds):
+    """The bundled model's n-gram speculation at a fixed k, round by round (the host's index
+    proposes) and chained (the chain's tensor ops draft from each sequence's history, with
+    filler): every round accepts what the lookup's drafts from its history match of the output
+    (see assert_rounds_accept_what_the_lookup_offers), prompts of 256 tokens as the bench's."""
+    from conftest import assert_rounds_accept_what_the_lookup_offers
+    from metrale.deploy.bundled import BUNDLED_MODEL
+    from metrale.deploy.gpubench import bundled_prompts
+    from metrale.deploy.llm import LLM
+    llm = LLM(str(BUNDLED_MODEL), device="cpu", dtype="float32", speculative_method="ngram",
+              num_drafts=3, adaptive_drafts=False, max_num_seqs=4, chain_rounds=chain_rounds)
+    assert llm.scheduler.capacity.chain_rounds == chain_rounds
+    accepted = assert_rounds_accept_what_the_lookup_offers(
+        llm, bundled_prompts(BUNDLED_MODEL, 4, 256), 48)
+    assert sum(map(sum, accepted)) > 0.3 * 3 * sum(map(len, accepted))   # drafts do pass

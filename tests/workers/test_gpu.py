@@ -180,6 +180,29 @@ def test_chained_rounds_replay_graphs_and_keep_the_reference_tokens(checkpoint, 
     assert_stops_where_first_met(llm, prompts, refs, 12)
 
 
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_chained_ngram_rounds_accept_what_the_lookup_offers(k):
+    """The bench's n-gram runs in miniature: the bundled model in its bfloat16, 64 prompts of
+    256 tokens, a fixed k, chains on the device (the lookup's kernel, programmatic dependent
+    launch, the verdicts' kernel, tiles and cuBLAS, the batch shrinking through its buckets).
+    Every round accepts what the lookup's drafts from its history match of the output, at
+    least, and what they match with filler, at most (see
+    assert_rounds_accept_what_the_lookup_offers): a round that drafted from a stale history
+    (a kernel reading the history before the last round's tokens land) would accept fewer,
+    while its tokens stay the target's."""
+    from conftest import assert_rounds_accept_what_the_lookup_offers
+    from metrale.deploy.bundled import BUNDLED_MODEL
+    from metrale.deploy.gpubench import bundled_prompts
+    llm = LLM(str(BUNDLED_MODEL), device="cuda", speculative_method="ngram", num_drafts=k,
+              adaptive_drafts=False, max_num_seqs=64, max_num_batched_tokens=16384)
+    chains, resumed, eager = watch_chains(llm.worker)
+    accepted = assert_rounds_accept_what_the_lookup_offers(
+        llm, bundled_prompts(BUNDLED_MODEL, 64, 256), 128)
+    assert chains and any(resumed) and not eager
+    assert sum(map(sum, accepted)) > 0.3 * k * sum(map(len, accepted))
+    llm.close()
+
 def watch_chains(worker):
     """Lists filled as the worker's chain runner launches chains: their rounds, whether each
     went on from the chain before on the device, and the chains run without graphs."""
