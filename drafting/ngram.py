@@ -89,7 +89,6 @@ class SuffixIndex:
         return []
 
 
-
 def lookup_rounds(prompt: list[int], output: list[int], k: int, min_n: int, max_n: int) -> int:
     """Rounds a greedy n-gram speculation of k drafts a round takes to emit `output` after its
     first token (the prefill's), when every round accepts what the lookup's drafts match: the
@@ -104,6 +103,7 @@ def lookup_rounds(prompt: list[int], output: list[int], k: int, min_n: int, max_
         history.extend(output[at:at + accepted + 1])
         rounds += 1
     return rounds
+
 
 class NgramProposer:
     method = "ngram"

@@ -107,4 +107,4 @@ def test_every_round_accepts_what_the_lookup_offers(chain_rounds):
     assert llm.scheduler.capacity.chain_rounds == chain_rounds
     accepted = assert_rounds_accept_what_the_lookup_offers(
         llm, bundled_prompts(BUNDLED_MODEL, 4, 256), 48)
-    assert sum(map(sum, accepted)) > 0.3 * 3 * sum(map(len, accepted))   # drafts do pass
+    assert sum(map(sum, accepted)) > 0.1 * 3 * sum(map(len, accepted))   # drafts do pass
