@@ -95,13 +95,12 @@ def lookup_rounds(prompt: list[int], output: list[int], k: int, min_n: int, max_
     rounds the text itself asks for, whatever a draft policy or an engine does."""
     history = list(prompt) + output[:1]
     index = SuffixIndex(history, min_n, max_n)
-    rounds = 0
-    while len(history) - len(prompt) < len(output):
-        at = len(history) - len(prompt)
+    at, rounds = min(1, len(output)), 0   # at: output tokens in the history
+    while at < len(output):
         drafts = index.drafts(min(k, len(output) - at - 1))
         accepted = next((i for i, d in enumerate(drafts) if d != output[at + i]), len(drafts))
         history.extend(output[at:at + accepted + 1])
-        rounds += 1
+        at, rounds = at + accepted + 1, rounds + 1
     return rounds
 
 

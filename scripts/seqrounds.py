@@ -6,7 +6,7 @@ needs at a fixed k: whether a run's slowest sequence was slow by its text or by 
 
 `run` decodes the bench's 32 bundled prompts (128 greedy tokens) three times per method, as
 gpubench's `--methods` names it, and keeps each sequence's output, rounds, rounds with drafts
-and drafts. `replay` drafts each sequence's output again with `ngram_drafts` (the worker's
+and drafts. `replay` drafts each sequence's output again (`lookup_rounds`; the worker's
 default n-gram sizes, k the method's most drafts every round) and counts the rounds it would
 take: greedy tokens are the same whatever the drafts, so that is what the sequence needs by its
 text at that k. A round "without drafts" is one that carried none: k = 0 chosen by the policy,
@@ -20,7 +20,7 @@ import sys
 from metrale.deploy import gpubench as g
 from metrale.cluster.engine import DEFAULT_DRAFTS
 from metrale.deploy.bundled import BUNDLED_DFLASH, BUNDLED_MODEL
-from metrale.drafting.ngram import ngram_drafts
+from metrale.drafting.ngram import lookup_rounds
 from metrale.workers.worker import WorkerConfig
 
 BATCH, PROMPT_LEN, NEW_TOKENS, TURNS = 32, 256, 128, 3
@@ -46,28 +46,15 @@ def run(path: str, specs: list[str]) -> None:
         json.dump(out, f)
 
 
-def fixed_k_rounds(prompt: list[int], output: list[int], k: int) -> int:
-    """Rounds to emit output[1:] (output[0] comes from the prefill) drafting k tokens each round."""
-    done, rounds = min(1, len(output)), 0
-    while done < len(output):
-        drafts = ngram_drafts(prompt + output[:done], k, WorkerConfig.ngram_min,
-                              WorkerConfig.ngram_max)
-        taken = 0
-        while (taken < len(drafts) and done + taken < len(output)
-               and drafts[taken] == output[done + taken]):
-            taken += 1
-        done, rounds = done + taken + 1, rounds + 1
-    return rounds
-
-
 def replay(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
     for name, seqs in data["runs"].items():
         k = g.method_options(name.split("#")[0])["num_drafts"] or DEFAULT_DRAFTS
-        rows = sorted((s["rounds"], fixed_k_rounds(data["prompts"][i], s["out"], k),
-                       s["rounds"] - s["spec_rounds"], s["proposed"], i)
-                      for i, s in enumerate(seqs))
+        needs = [lookup_rounds(prompt, s["out"], k, WorkerConfig.ngram_min,
+                               WorkerConfig.ngram_max) for prompt, s in zip(data["prompts"], seqs)]
+        rows = sorted((s["rounds"], need, s["rounds"] - s["spec_rounds"], s["proposed"], i)
+                      for i, (s, need) in enumerate(zip(seqs, needs)))
         print(f"{name}: slowest {rows[-1][0]} rounds; at k = {k} every round its text needs "
               f"{max(r[1] for r in rows)}")
         for rounds, fixed, bare, drafts, i in rows[-6:]:
