@@ -72,7 +72,7 @@ class SuffixIndex:
     that starts a collection (allocations less deallocations) stayed near zero while the new
     keys piled up in the youngest generation: some 44 000 after a prefill of 64 prompts of 256
     tokens, walked by the first decode step's collection (3-5 ms of that step on a CPU).
-    Token ids are below 2**32."""
+    Token ids are in [0, 2**32)."""
 
     def __init__(self, history: list[int], min_n: int, max_n: int):
         self.history, self.min_n, self.max_n = history, min_n, max_n
