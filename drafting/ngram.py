@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from metrale.drafting.proposer import CommittedRows, Proposal, ProposeRequest
+from metrale.drafting.rejection import greedy_verdict
 from metrale.workers.models import kernels
 
 
@@ -107,15 +108,16 @@ class SuffixIndex:
 def lookup_rounds(prompt: list[int], output: list[int], k: int, min_n: int, max_n: int) -> int:
     """Rounds a greedy n-gram speculation of k drafts a round takes to emit `output` after its
     first token (the prefill's), when every round accepts what the lookup's drafts match: the
-    rounds the text itself asks for, whatever a draft policy or an engine does."""
+    rounds the text itself asks for, whatever a draft policy or an engine does. Each round's
+    verdict is the engine's greedy one, the output standing in for the target's argmaxes."""
     history = list(prompt) + output[:1]
     index = SuffixIndex(history, min_n, max_n)
     at, rounds = min(1, len(output)), 0   # at: output tokens in the history
     while at < len(output):
         drafts = index.drafts(min(k, len(output) - at - 1))
-        accepted = next((i for i, d in enumerate(drafts) if d != output[at + i]), len(drafts))
-        history.extend(output[at:at + accepted + 1])
-        at, rounds = at + accepted + 1, rounds + 1
+        verdict = greedy_verdict(drafts, output[at:at + len(drafts) + 1])
+        history.extend(verdict.tokens)
+        at, rounds = at + len(verdict.tokens), rounds + 1
     return rounds
 
 
