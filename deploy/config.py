@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from metrale.cluster.actor import ReplicaSpec
 from metrale.deploy.bundled import BUNDLED_MODEL, bundled_paths
 from metrale.cluster.scheduler import SchedulerConfig
-from metrale.workers.worker import WorkerConfig
+from metrale.workers.worker import MAX_CHAIN_ROUNDS, WorkerConfig
 
 # The checkpoint served when none is given: the bundled demo model.
 DEFAULT_MODEL: str | None = str(BUNDLED_MODEL)
@@ -56,7 +56,7 @@ class MetraleConfig(BaseModel):
                                "sequence (a ring: when full, a new row takes the oldest's place).")
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram lookup matches.")
     ngram_max: int = Field(4, ge=1, description="Longest suffix n-gram lookup matches.")
-    chain_rounds: int | None = Field(None, ge=0, description="Greedy n-gram, MTP or DFlash "
+    chain_rounds: int | None = Field(None, ge=0, le=MAX_CHAIN_ROUNDS, description="Greedy n-gram, MTP or DFlash "
                                      "rounds (without speculation: plain greedy decode steps) "
                                      "one plan runs on the device before the host reads their "
                                      "tokens (a new request waits for the chain); default: 8 "

@@ -75,8 +75,9 @@ def test_chain_rounds_reach_the_worker_config_and_are_bounded(tmp_path, checkpoi
     path.write_text(f"model: {checkpoint('qwen3')}\nspeculative_method: ngram\nchain_rounds: 3\n")
     assert MetraleConfig.from_yaml(path).worker_config().chain_rounds == 3
     assert MetraleConfig(model=str(checkpoint("qwen3"))).worker_config().chain_rounds is None
-    with pytest.raises(ConfigError, match="chain_rounds"):
-        MetraleConfig.validated({"chain_rounds": -1})
+    for bad in (-1, 65):
+        with pytest.raises(ConfigError, match="chain_rounds"):
+            MetraleConfig.validated({"chain_rounds": bad})
 
 
 def test_decode_steps_reach_the_scheduler_and_are_bounded(tmp_path, checkpoint):

@@ -293,9 +293,10 @@ def test_chains_stop_at_the_context_and_skip_logprobs(checkpoint):
     assert out[0].token_ids == ref[:12] and not chains
 
 
-def test_a_negative_chain_rounds_is_refused(checkpoint):
-    with pytest.raises(ValueError, match="chain_rounds must be 0 or more, not -1"):
-        LLM(checkpoint("qwen3"), device="cpu", speculative_method="ngram", chain_rounds=-1)
+@pytest.mark.parametrize("rounds", [-1, 65])
+def test_chain_rounds_out_of_range_are_refused(checkpoint, rounds):
+    with pytest.raises(ValueError, match=f"chain_rounds must be 0 to 64, not {rounds}"):
+        LLM(checkpoint("qwen3"), device="cpu", speculative_method="ngram", chain_rounds=rounds)
 
 
 def test_round_k_is_the_minimum_capacity_without_ragged_drafts(checkpoint):
