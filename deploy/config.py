@@ -56,11 +56,12 @@ class MetraleConfig(BaseModel):
                                "sequence (a ring: when full, a new row takes the oldest's place).")
     ngram_min: int = Field(1, ge=1, description="Shortest suffix n-gram lookup matches.")
     ngram_max: int = Field(4, ge=1, description="Longest suffix n-gram lookup matches.")
-    chain_rounds: int | None = Field(None, ge=0, le=MAX_CHAIN_ROUNDS, description="Greedy n-gram, MTP or DFlash "
+    chain_rounds: int | None = Field(None, ge=0, le=MAX_CHAIN_ROUNDS,
+                                     description="Greedy n-gram, MTP or DFlash "
                                      "rounds (without speculation: plain greedy decode steps) "
                                      "one plan runs on the device before the host reads their "
                                      "tokens (a new request waits for the chain); default: 8 "
-                                     "with CUDA graphs, else 0 (off).")
+                                     "with CUDA graphs, else 0 (off); at most 64.")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "
