@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from metrale.cluster.actor import ReplicaSpec
 from metrale.deploy.bundled import BUNDLED_MODEL, bundled_paths
 from metrale.cluster.scheduler import SchedulerConfig
-from metrale.workers.worker import MAX_CHAIN_ROUNDS, WorkerConfig
+from metrale.workers.worker import CHAIN_ROUNDS, MAX_CHAIN_ROUNDS, WorkerConfig
 
 # The checkpoint served when none is given: the bundled demo model.
 DEFAULT_MODEL: str | None = str(BUNDLED_MODEL)
@@ -60,8 +60,9 @@ class MetraleConfig(BaseModel):
                                      description="Greedy n-gram, MTP or DFlash "
                                      "rounds (without speculation: plain greedy decode steps) "
                                      "one plan runs on the device before the host reads their "
-                                     "tokens (a new request waits for the chain); default: 8 "
-                                     "with CUDA graphs, else 0 (off); at most 64.")
+                                     "tokens (a new request waits for the chain); default: "
+                                     f"{CHAIN_ROUNDS} with CUDA graphs, else 0 (off); at most "
+                                     f"{MAX_CHAIN_ROUNDS}.")
 
     # -- the engine on each worker
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Worker device; auto takes "
